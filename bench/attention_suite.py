@@ -1,0 +1,186 @@
+"""Attention suite: our implementations and peers on the same inputs and cotangents.
+
+Every peer's forward output is checked on the first `CHECK_ROWS` queries against our
+float32 oracle before its time counts; a mismatch makes the row an `error`.
+"""
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.harness import classify, time_fn
+from probjax_eqx import dot_product_attention, masks
+from probjax_eqx.kernels.reference import attention as reference
+
+CHECK_ROWS = 128
+BF16_FWD_ATOL = 2e-2
+
+FULL = dict(batch=[4], heads=[8], seq=[1024, 4096, 16384], head_dim=[64, 128], causal=[False, True])
+QUICK = dict(batch=[1], heads=[2], seq=[128], head_dim=[32], causal=[False, True])
+
+
+def cases(quick: bool) -> Iterator[dict]:
+    grid = QUICK if quick else FULL
+    for b, h, t, d, c in itertools.product(*grid.values()):
+        yield dict(batch=b, heads=h, seq=t, head_dim=d, causal=c)
+
+
+def _jax_impls() -> dict[str, Callable]:
+    def ours(name):
+        def f(q, k, v, causal):
+            return dot_product_attention(
+                q, k, v, mask=masks.Causal() if causal else None, implementation=name
+            )
+
+        return f
+
+    def jax_nn(name):
+        def f(q, k, v, causal):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
+
+        return f
+
+    impls = {f"probjax {n}": ours(n) for n in ("auto", "xla", "cudnn", "triton", "mosaic")}
+    impls.update({"jax.nn xla": jax_nn("xla"), "jax.nn cudnn": jax_nn("cudnn")})
+    return impls
+
+
+def _torch_impls() -> dict[str, Callable]:
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+
+    def sdpa(backend):
+        def f(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return f
+
+    compiled = torch.compile(flex_attention)
+    block_masks: dict = {}
+
+    def flex(q, k, v, causal):
+        if not causal:
+            return compiled(q, k, v)
+        key = q.shape[2], k.shape[2]
+        if key not in block_masks:
+            block_masks[key] = create_block_mask(
+                lambda b, h, i, j: i >= j, None, None, *key, device="cuda"
+            )
+        return compiled(q, k, v, block_mask=block_masks[key])
+
+    return {
+        "torch sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "torch sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "torch sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "torch flex": flex,
+    }
+
+
+def _time_jax(f, q, k, v, ct, causal, repeats):
+    fwd = jax.jit(lambda q, k, v: f(q, k, v, causal))
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v, causal).astype(jnp.float32) * ct)
+
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    out = fwd(q, k, v)
+    sync = jax.block_until_ready
+    fwd_ms = time_fn(lambda: fwd(q, k, v), sync, repeats=repeats)
+    bwd_ms = time_fn(lambda: fwd_bwd(q, k, v), sync, repeats=repeats)
+    return np.asarray(out[:, :CHECK_ROWS], np.float32), fwd_ms, bwd_ms
+
+
+def _time_torch(f, q, k, v, ct, causal, repeats):
+    import torch
+
+    def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
+        return torch.from_dlpack(x).transpose(1, 2).detach().clone()
+
+    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct.astype(q.dtype)))
+    for t in (qt, kt, vt):
+        t.requires_grad_(True)
+    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+
+    def fwd():
+        with torch.no_grad():
+            return f(qt, kt, vt, causal)
+
+    def fwd_bwd():
+        for t in (qt, kt, vt):
+            t.grad = None
+        f(qt, kt, vt, causal).backward(ctt)
+
+    out = fwd().transpose(1, 2)[:, :CHECK_ROWS].float().cpu().numpy()
+    fwd_ms = time_fn(fwd, sync, repeats=repeats)
+    bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats)
+    torch.cuda.empty_cache()
+    return out, fwd_ms, bwd_ms
+
+
+def run(writer, base_row: dict, *, quick: bool, repeats: int, only: set[str] | None = None):
+    jax_impls, torch_impls = _jax_impls(), _torch_impls()
+    names = [n for n in [*jax_impls, *torch_impls] if only is None or n in only]
+    for case in cases(quick):
+        b, h, t, d, causal = case.values()
+        keys = jax.random.split(jax.random.key(t * d + causal), 4)
+        q, k, v = (
+            jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys[:3]
+        )
+        ct = jax.random.normal(keys[3], (b, t, h, d), jnp.float32)
+        expected = np.asarray(
+            reference.attention(
+                q[:, :CHECK_ROWS],
+                k,
+                v,
+                mask=masks.Causal() if causal else None,
+                score_mod=None,
+                scale=1.0 / np.sqrt(d),
+                oracle=True,
+            )
+        )
+        flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
+        for name in names:
+            is_torch = name in torch_impls
+            row = dict(
+                base_row,
+                suite="attention",
+                implementation=name,
+                peer=not name.startswith("probjax"),
+                shape=case,
+                dtype="bfloat16",
+                mask="causal" if causal else "none",
+                flops_fwd=flops,
+                flops_fwd_bwd=3.5 * flops,
+                status="ok",
+                message="",
+            )
+            try:
+                timer = _time_torch if is_torch else _time_jax
+                impl = torch_impls[name] if is_torch else jax_impls[name]
+                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats)
+                err = float(np.max(np.abs(out - expected)))
+                row.update(
+                    fwd_ms=fwd_ms,
+                    fwd_bwd_ms=bwd_ms,
+                    max_abs_err=err,
+                    tflops_fwd=flops / fwd_ms / 1e9,
+                    tflops_fwd_bwd=3.5 * flops / bwd_ms / 1e9,
+                )
+                if not np.isfinite(err) or err > BF16_FWD_ATOL:
+                    row.update(
+                        status="error", message=f"output differs from the reference: {err:.3g}"
+                    )
+            except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                row["status"], row["message"] = classify(e)
+            writer.add(row)
+            yield row

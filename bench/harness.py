@@ -1,0 +1,88 @@
+"""Benchmark harness: timing, environment metadata, JSON rows.
+
+A row: suite, implementation, peer, shape, dtype, mask, fwd_ms, fwd_bwd_ms, tflops_fwd,
+tflops_fwd_bwd, status (ok / OOM / unsup. / error), message, max_abs_err, device,
+versions. Times are medians over `repeats` runs after `warmup` runs, each synchronised
+(`block_until_ready` for JAX, `torch.cuda.synchronize` for torch), so every
+implementation is timed the same way.
+"""
+
+import dataclasses
+import importlib.metadata
+import json
+import pathlib
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+STATUSES = ("ok", "OOM", "unsup.", "error")
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in ("jax", "jaxlib", "equinox", "torch", "triton", "tokamax", "probjax-eqx"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    info = {"platform": dev.platform, "kind": getattr(dev, "device_kind", dev.platform)}
+    if dev.platform == "gpu":
+        info["compute_capability"] = getattr(dev, "compute_capability", None)
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return info
+
+
+def time_fn(
+    fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 3, repeats: int = 20
+) -> float:
+    """Median wall time in ms of `sync(fn())` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        sync(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sync(fn())
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def classify(err: BaseException) -> tuple[str, str]:
+    """Map an exception to a row status and a one-line message."""
+    from probjax_eqx import UnsupportedError
+
+    text = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+    if isinstance(err, UnsupportedError | NotImplementedError):
+        return "unsup.", text
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text:
+        return "OOM", text
+    return "error", text
+
+
+@dataclasses.dataclass
+class RowWriter:
+    """Appends rows to a JSON file after each one, so a killed run keeps what it measured."""
+
+    path: pathlib.Path
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"rows": self.rows}, indent=1))

@@ -1,0 +1,55 @@
+"""Run benchmark suites and write JSON rows: `python -m bench.run --suite attention --out F`."""
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tqdm import tqdm  # noqa: E402
+
+from bench import attention_suite  # noqa: E402
+from bench.harness import RowWriter, device_info, versions  # noqa: E402
+
+SUITES = {"attention": attention_suite}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--suite", choices=sorted(SUITES), action="append")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/out/results.json"))
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", nargs="*", help="implementation names to run")
+    args = parser.parse_args(argv)
+    writer = RowWriter(args.out)
+    base = dict(
+        device=device_info(),
+        versions=versions(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    for suite in args.suite or sorted(SUITES):
+        rows = SUITES[suite].run(
+            writer,
+            base,
+            quick=args.quick,
+            repeats=args.repeats,
+            only=set(args.only) if args.only else None,
+        )
+        for row in tqdm(rows, desc=suite, mininterval=2.0):
+            shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
+            timing = (
+                f"{row['fwd_ms']:.3f} / {row['fwd_bwd_ms']:.3f} ms"
+                if "fwd_ms" in row
+                else row["message"][:80]
+            )
+            tqdm.write(f"{row['implementation']:22s} {shape:48s} {row['status']:6s} {timing}")
+    print(f"wrote {len(writer.rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,17 @@
+"""probjax-eqx: fast, exact model components for JAX as Equinox modules."""
+
+from probjax_eqx import biases as biases
+from probjax_eqx import masks as masks
+from probjax_eqx.attention import Attention as Attention
+from probjax_eqx.attention import dot_product_attention as dot_product_attention
+from probjax_eqx.attention import explain_attention as explain_attention
+from probjax_eqx.attention import flex_attention as flex_attention
+from probjax_eqx.attention_call import AttentionCall as AttentionCall
+from probjax_eqx.backends import Backend as Backend
+from probjax_eqx.backends import Choice as Choice
+from probjax_eqx.backends import UnsupportedError as UnsupportedError
+from probjax_eqx.backends import detect_device as detect_device
+from probjax_eqx.backends import explain as explain
+from probjax_eqx.backends import resolve as resolve
+
+__version__ = "0.1.0"

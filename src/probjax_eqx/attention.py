@@ -1,0 +1,410 @@
+r"""Attention: the functional ops `dot_product_attention` and `flex_attention`, and `Attention`.
+
+For each query head $h$ (KV head $h // G$ with $G$ = query heads / KV heads):
+
+$$o_i = \sum_{j \text{ valid}} \mathrm{softmax}_j\big(\mathrm{mod}(s\, q_i \cdot k_j)\big)\, v_j$$
+
+where `mod` is the optional score modification and "valid" is the mask. A row with no
+valid key gives $o_i = 0$ and zero gradients.
+
+How peers differ: `jax.nn.dot_product_attention` takes a dense bias/mask plus a few
+flags and picks no kernel for you; torch `flex_attention` takes `score_mod` /
+`mask_mod` functions and needs a block mask built separately; here masks are values
+(`probjax_eqx.masks`) whose tile bounds kernels read directly, and one call chooses the
+fastest exact kernel and tells you why (`explain`).
+"""
+
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+
+from probjax_eqx.attention_call import AttentionCall, UnavailableAttention
+from probjax_eqx.backends import Backend, Choice, register_op, resolve
+from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
+from probjax_eqx.kernels.cudnn.attention import CudnnAttention
+from probjax_eqx.kernels.reference.attention import XlaAttention
+from probjax_eqx.masks import AbstractMask, DenseMask, MaskFn
+
+_IMPLEMENTATIONS = {
+    "xla": XlaAttention(),
+    "cudnn": CudnnAttention(),
+    "triton": UnavailableAttention(
+        "triton", "the Pallas Triton flash-attention kernel is not in this release yet"
+    ),
+    "mosaic": UnavailableAttention(
+        "mosaic", "the Mosaic GPU flash-attention kernel is not in this release yet"
+    ),
+}
+register_op("attention", lambda: _IMPLEMENTATIONS)
+
+MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
+
+
+def _as_mask(mask: object) -> AbstractMask | None:
+    if mask is None or isinstance(mask, AbstractMask):
+        return mask
+    if callable(mask):
+        return MaskFn(mask)
+    array = jnp.asarray(mask)
+    if array.dtype != jnp.bool_:
+        raise TypeError(
+            f"mask must be a boolean array or a probjax_eqx.masks mask, got dtype {array.dtype}; "
+            "pass additive terms as `bias`"
+        )
+    if array.ndim != 4:
+        raise ValueError(
+            "a dense mask must be broadcastable to [batch, heads, q_seq, kv_seq], "
+            f"got {array.shape}"
+        )
+    return DenseMask(array)
+
+
+def _as_score_mod(score_mod: object) -> AbstractScoreMod | None:
+    if score_mod is None or isinstance(score_mod, AbstractScoreMod):
+        return score_mod
+    if callable(score_mod):
+        return ScoreFn(score_mod)
+    raise TypeError(f"score_mod must be callable, got {type(score_mod).__name__}")
+
+
+def _describe(q, k, v, mask, score_mod) -> AttentionCall:
+    """Validate the operands and canonicalise them into an `AttentionCall`."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {x.shape}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    dims = (("batch", 0, q, k), ("batch", 0, k, v), ("kv_seq", 1, k, v), ("kv_heads", 2, k, v))
+    for dim, axis, a, b in dims:
+        if a.shape[axis] != b.shape[axis]:
+            raise ValueError(
+                f"dimension {dim} (axis {axis}) differs: {a.shape[axis]} vs {b.shape[axis]} "
+                f"(shapes {a.shape} and {b.shape})"
+            )
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"dimension qk_dim differs: q has {q.shape[3]}, k has {k.shape[3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"dimension q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}"
+        )
+    return AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+
+
+def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
+    mask, score_mod = _as_mask(mask), _as_score_mod(score_mod)
+    call = _describe(q, k, v, mask, score_mod)
+    backend = (
+        implementation
+        if isinstance(implementation, Backend)
+        else resolve("attention", implementation)
+    )
+    choice = backend.select(call, config)
+    scale = 1.0 / math.sqrt(call.qk_dim) if scale is None else float(scale)
+    impl = _IMPLEMENTATIONS[choice.kernel]
+    return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
+
+
+def _explain(q, k, v, mask, score_mod, implementation, config) -> Choice:
+    mask, score_mod = _as_mask(mask), _as_score_mod(score_mod)
+    call = _describe(q, k, v, mask, score_mod)
+    backend = (
+        implementation
+        if isinstance(implementation, Backend)
+        else resolve("attention", implementation)
+    )
+    return backend.select(call, config)
+
+
+def _bias_to_score_mod(bias: object) -> AbstractScoreMod | None:
+    if bias is None or isinstance(bias, AbstractBias):
+        return bias
+    array = jnp.asarray(bias)
+    if array.ndim != 4:
+        raise ValueError(
+            "a dense bias must be broadcastable to [batch, heads, q_seq, kv_seq], "
+            f"got {array.shape}"
+        )
+    return DenseBias(array)
+
+
+def dot_product_attention(
+    q: Float[Array, "batch q_seq q_heads qk_dim"],
+    k: Float[Array, "batch kv_seq kv_heads qk_dim"],
+    v: Float[Array, "batch kv_seq kv_heads v_dim"],
+    *,
+    mask: MaskLike = None,
+    bias: AbstractBias | Float[ArrayLike, "_b _h q_seq kv_seq"] | None = None,
+    scale: float | None = None,
+    implementation: str | Backend | None = None,
+    config: object = None,
+) -> Float[Array, "batch q_seq q_heads v_dim"]:
+    """Scaled dot-product attention with masks, biases and GQA.
+
+    Args:
+        q: queries `[batch, q_seq, q_heads, qk_dim]`.
+        k: keys `[batch, kv_seq, kv_heads, qk_dim]`; `q_heads` is a multiple of
+            `kv_heads` and query head `h` reads KV head `h // (q_heads // kv_heads)`.
+        v: values `[batch, kv_seq, kv_heads, v_dim]` (`v_dim` may differ from `qk_dim`).
+        mask: a `probjax_eqx.masks` mask (`Causal() & KVLengths(lengths)`, ...) or a
+            boolean array broadcastable to `[batch, heads, q_seq, kv_seq]`.
+        bias: an additive bias (`ALiBi`, `RelativePosition`, sums of them) or an array
+            broadcastable to `[batch, heads, q_seq, kv_seq]`, added to the scaled scores.
+        scale: multiplier of `q @ k.T`; default `1 / sqrt(qk_dim)`.
+        implementation: `None`/`"auto"` (fastest exact kernel for this device),
+            `"xla"`, `"cudnn"`, `"triton"`, `"mosaic"`, or a resolved `Backend`.
+        config: an implementation's config (tiles etc.), used as given.
+
+    Returns:
+        `[batch, q_seq, q_heads, v_dim]` in the input dtype.
+
+    Raises:
+        UnsupportedError: a pinned implementation cannot compute this call exactly.
+        ValueError, TypeError: inconsistent shapes or dtypes.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from probjax_eqx import dot_product_attention, masks
+        >>> q = k = v = jnp.ones((1, 4, 2, 8))
+        >>> dot_product_attention(q, k, v, mask=masks.Causal()).shape
+        (1, 4, 2, 8)
+    """
+    return _run(q, k, v, mask, _bias_to_score_mod(bias), scale, implementation, config)
+
+
+def flex_attention(
+    q: Float[Array, "batch q_seq q_heads qk_dim"],
+    k: Float[Array, "batch kv_seq kv_heads qk_dim"],
+    v: Float[Array, "batch kv_seq kv_heads v_dim"],
+    *,
+    score_mod: AbstractScoreMod | Callable | None = None,
+    mask: AbstractMask | Callable | None = None,
+    scale: float | None = None,
+    implementation: str | Backend | None = None,
+    config: object = None,
+) -> Float[Array, "batch q_seq q_heads v_dim"]:
+    """Attention with a score modification function, as torch `flex_attention`.
+
+    Args:
+        q: queries, as in `dot_product_attention`.
+        k: keys, as in `dot_product_attention`.
+        v: values, as in `dot_product_attention`.
+        score_mod: `fn(score, b, h, q_idx, kv_idx) -> score` on the scaled scores
+            (float32, index arrays broadcast), or a `probjax_eqx.biases` score mod.
+        mask: a `probjax_eqx.masks` mask, or `fn(b, h, q_idx, kv_idx) -> bool`
+            (a torch-style `mask_mod`; kernels cannot skip tiles for it).
+        scale: as in `dot_product_attention`.
+        implementation: as in `dot_product_attention`.
+        config: as in `dot_product_attention`.
+
+    Returns:
+        `[batch, q_seq, q_heads, v_dim]` in the input dtype.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from probjax_eqx import flex_attention
+        >>> q = k = v = jnp.ones((1, 4, 2, 8))
+        >>> soft_cap = lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)
+        >>> flex_attention(q, k, v, score_mod=soft_cap).shape
+        (1, 4, 2, 8)
+    """
+    return _run(q, k, v, mask, score_mod, scale, implementation, config)
+
+
+def explain_attention(
+    q: Array | jax.ShapeDtypeStruct,
+    k: Array | jax.ShapeDtypeStruct,
+    v: Array | jax.ShapeDtypeStruct,
+    *,
+    mask: object = None,
+    bias: object = None,
+    score_mod: object = None,
+    implementation: str | Backend | None = None,
+    config: object = None,
+) -> Choice:
+    """The `Choice` an attention call would make (kernel, config, reasons), without running it.
+
+    Operands may be arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
+    """
+    if bias is not None and score_mod is not None:
+        raise ValueError("pass either bias or score_mod, not both")
+    mod = _bias_to_score_mod(bias) if bias is not None else score_mod
+    return _explain(q, k, v, mask, mod, implementation, config)
+
+
+dot_product_attention.explain = explain_attention  # pyright: ignore[reportFunctionMemberAccess]
+flex_attention.explain = explain_attention  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def rope(
+    x: Float[Array, "seq heads dim"],
+    positions: Float[Array, " seq"] | None = None,
+    theta: float = 1e4,
+) -> Float[Array, "seq heads dim"]:
+    """Rotary position embedding (rotate-half convention) over the last axis."""
+    seq, _, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {dim}")
+    pos = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    angles = pos[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(eqx.Module):
+    """Multi-head attention (MHA, GQA, MQA) with projections, optional RoPE and qk-norm.
+
+    The op is `dot_product_attention`; see its docstring for the math and masks. The
+    `backend` is resolved when the module is built (device, `PROBJAX_*` env opt-outs,
+    `implementation=`), so calling the module never reads the environment.
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    q_norm: eqx.nn.RMSNorm | None
+    k_norm: eqx.nn.RMSNorm | None
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    qk_head_dim: int = eqx.field(static=True)
+    v_head_dim: int = eqx.field(static=True)
+    rope_theta: float | None = eqx.field(static=True)
+    compute_dtype: str | None = eqx.field(static=True)
+    backend: Backend = eqx.field(static=True)
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        context_dim: int | None = None,
+        output_dim: int | None = None,
+        use_bias: bool = False,
+        rope_theta: float | None = None,
+        qk_norm: bool = False,
+        compute_dtype: jnp.dtype | str | None = None,
+        implementation: str | None = None,
+        dtype: jnp.dtype | None = None,
+        key: PRNGKeyArray,
+    ):
+        """Build the projections and resolve the backend.
+
+        Args:
+            embed_dim: width of the query input `x`.
+            num_heads: number of query heads.
+            num_kv_heads: number of key/value heads (default `num_heads`; 1 is MQA).
+            head_dim: query/key head dim (default `embed_dim // num_heads`).
+            v_head_dim: value head dim (default `head_dim`).
+            context_dim: width of `context` for cross-attention (default `embed_dim`).
+            output_dim: output width (default `embed_dim`).
+            use_bias: biases in the projections.
+            rope_theta: apply RoPE to queries and keys with this base, or `None`.
+            qk_norm: RMS-normalise queries and keys per head before attention.
+            compute_dtype: dtype the attention op runs in (e.g. `"bfloat16"`); default
+                the input dtype.
+            implementation: `None`/`"auto"`, `"xla"`, `"cudnn"`, `"triton"`, `"mosaic"`.
+            dtype: parameter dtype.
+            key: PRNG key for initialisation.
+        """
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = embed_dim // num_heads if head_dim is None else head_dim
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        context_dim = embed_dim if context_dim is None else context_dim
+        output_dim = embed_dim if output_dim is None else output_dim
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+        if head_dim < 1:
+            raise ValueError(f"{head_dim=} must be >= 1 (embed_dim // num_heads is 0?)")
+        if rope_theta is not None and head_dim % 2:
+            raise ValueError(f"RoPE needs an even {head_dim=}")
+        qkey, kkey, vkey, okey = jax.random.split(key, 4)
+        linear = lambda i, o, k: eqx.nn.Linear(i, o, use_bias=use_bias, dtype=dtype, key=k)  # noqa: E731
+        self.query_proj = linear(embed_dim, num_heads * head_dim, qkey)
+        self.key_proj = linear(context_dim, num_kv_heads * head_dim, kkey)
+        self.value_proj = linear(context_dim, num_kv_heads * v_head_dim, vkey)
+        self.output_proj = linear(num_heads * v_head_dim, output_dim, okey)
+        self.q_norm = eqx.nn.RMSNorm(head_dim, dtype=dtype) if qk_norm else None
+        self.k_norm = eqx.nn.RMSNorm(head_dim, dtype=dtype) if qk_norm else None
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.qk_head_dim = head_dim
+        self.v_head_dim = v_head_dim
+        self.rope_theta = rope_theta
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+        self.backend = resolve("attention", implementation)
+
+    def _qkv(self, x, context):
+        context = x if context is None else context
+        project = lambda lin, a: jax.vmap(lin)(a)  # noqa: E731
+        q = project(self.query_proj, x).reshape(x.shape[0], self.num_heads, self.qk_head_dim)
+        k = project(self.key_proj, context).reshape(
+            context.shape[0], self.num_kv_heads, self.qk_head_dim
+        )
+        v = project(self.value_proj, context).reshape(
+            context.shape[0], self.num_kv_heads, self.v_head_dim
+        )
+        if self.q_norm is not None and self.k_norm is not None:
+            q = jax.vmap(jax.vmap(self.q_norm))(q)
+            k = jax.vmap(jax.vmap(self.k_norm))(k)
+        if self.rope_theta is not None:
+            q = rope(q, theta=self.rope_theta)
+            k = rope(k, theta=self.rope_theta)
+        if self.compute_dtype is not None:
+            q, k, v = (a.astype(self.compute_dtype) for a in (q, k, v))
+        return q[None], k[None], v[None]
+
+    @jax.named_scope("probjax.Attention")
+    def __call__(
+        self,
+        x: Float[Array, "q_seq embed"],
+        context: Float[Array, "kv_seq context"] | None = None,
+        *,
+        mask: MaskLike = None,
+        score_mod: AbstractScoreMod | Callable | None = None,
+    ) -> Float[Array, "q_seq out"]:
+        """Attend from `x` to `context` (default: self-attention).
+
+        !!! info
+            Unbatched: `jax.vmap(attention)(xs)` for a batch. Per-example masks
+            (`KVLengths(lengths)`) are vmapped along with `xs`.
+
+        Args:
+            x: queries' input `[q_seq, embed_dim]`.
+            context: keys'/values' input `[kv_seq, context_dim]`, or `None`.
+            mask: a mask (see `probjax_eqx.masks`); its batch dimension is 1 here.
+            score_mod: a score modification (see `flex_attention`).
+
+        Returns:
+            `[q_seq, output_dim]`.
+        """
+        q, k, v = self._qkv(x, context)
+        o = _run(q, k, v, mask, score_mod, 1.0 / math.sqrt(self.qk_head_dim), self.backend, None)
+        o = o[0].reshape(x.shape[0], self.num_heads * self.v_head_dim).astype(x.dtype)
+        return jax.vmap(self.output_proj)(o)
+
+    def explain(
+        self,
+        x: Array | jax.ShapeDtypeStruct,
+        context: Array | jax.ShapeDtypeStruct | None = None,
+        *,
+        mask: MaskLike = None,
+        score_mod: object = None,
+    ) -> Choice:
+        """The `Choice` this module's backend makes for these inputs, without running it."""
+        q, k, v = jax.eval_shape(self._qkv, x, context)
+        return _explain(q, k, v, mask, score_mod, self.backend, None)

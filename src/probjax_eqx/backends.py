@@ -1,0 +1,296 @@
+"""Backend registry: device detection, env opt-outs, and inspectable kernel selection.
+
+A `Backend` is a small frozen, hashable value that a module resolves **once, at
+construction**, from the device, the `PROBJAX_*` opt-outs and the user's
+`implementation=`. At call time `Backend.select(call)` walks its priority list and
+returns a `Choice` naming the kernel, its config, why it was taken and why every
+earlier candidate was rejected. Selection never traces a kernel: each
+implementation declares what it supports as data and `check(call, device)` returns a
+reason string or `None`.
+
+Registry rules (in priority order, first supported wins):
+
+| op        | `sm_90` (H100/H200)              | `generic` (other GPUs, CPU) |
+|-----------|----------------------------------|-----------------------------|
+| attention | cudnn, mosaic, triton, xla       | triton, xla                 |
+
+Environment opt-outs, read when a `Backend` is built (never at call time):
+
+| variable                              | effect                                    |
+|---------------------------------------|-------------------------------------------|
+| `PROBJAX_ATTENTION_CUDNN=0`           | drop cudnn from automatic selection       |
+| `PROBJAX_ATTENTION_MOSAIC=0`          | drop mosaic from automatic selection      |
+| `PROBJAX_ATTENTION_DEVICE_DEFAULTS=0` | use the `generic` entry on every device   |
+
+Opt-outs only prune automatic selection; an implementation pinned by name is kept.
+"""
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
+
+import jax
+
+Implementation = Literal["auto", "xla", "triton", "cudnn", "mosaic"]
+KERNEL_NAMES: tuple[str, ...] = tuple(n for n in get_args(Implementation) if n != "auto")
+
+# One table per op family, keyed by device: the priority lists for "auto".
+DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    "attention": {
+        "sm_90": ("cudnn", "mosaic", "triton", "xla"),
+        "generic": ("triton", "xla"),
+    },
+}
+
+# Env variable -> (op, implementation it removes from auto selection).
+ENV_OPT_OUTS: Mapping[str, tuple[str, str]] = {
+    "PROBJAX_ATTENTION_CUDNN": ("attention", "cudnn"),
+    "PROBJAX_ATTENTION_MOSAIC": ("attention", "mosaic"),
+}
+ENV_DEVICE_DEFAULTS = "PROBJAX_ATTENTION_DEVICE_DEFAULTS"
+_FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
+
+
+class UnsupportedError(NotImplementedError):
+    """An implementation cannot compute this call exactly.
+
+    Raised when an implementation was asked for by name; automatic selection records
+    the same reason and moves on to the next candidate.
+    """
+
+    def __init__(self, implementation: str, reason: str):
+        self.implementation = implementation
+        self.reason = reason
+        super().__init__(f"implementation={implementation!r} cannot compute this call: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What selection needs to know about the device.
+
+    Attributes:
+        platform: `"cpu"`, `"gpu"` or `"tpu"`.
+        device_kind: the driver's name for the device, e.g. `"NVIDIA H200"`.
+        compute_capability: `"sm_90"` style for CUDA GPUs, else `None`.
+    """
+
+    platform: str
+    device_kind: str
+    compute_capability: str | None = None
+
+    @property
+    def registry_key(self) -> str:
+        """The registry entry this device uses by default (`"sm_90"` or `"generic"`)."""
+        if self.compute_capability in ("sm_90",):
+            return self.compute_capability
+        return "generic"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform == "gpu"
+
+
+def detect_device(device: Any = None) -> DeviceInfo:
+    """Describe a `jax.Device` (default: JAX's first default device)."""
+    device = jax.devices()[0] if device is None else device
+    platform = device.platform
+    kind = getattr(device, "device_kind", platform)
+    capability = None
+    raw = getattr(device, "compute_capability", None)
+    if platform == "gpu" and raw:
+        major, _, minor = str(raw).partition(".")
+        capability = f"sm_{major}{minor or '0'}"
+    return DeviceInfo(platform=platform, device_kind=str(kind), compute_capability=capability)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptOuts:
+    """The env opt-outs in force when a backend was built."""
+
+    disabled: frozenset[tuple[str, str]] = frozenset()
+    device_defaults: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "OptOuts":
+        env = os.environ if environ is None else environ
+        disabled = frozenset(
+            target
+            for var, target in ENV_OPT_OUTS.items()
+            if env.get(var, "1").strip().lower() in _FALSE_STRINGS
+        )
+        defaults = env.get(ENV_DEVICE_DEFAULTS, "1").strip().lower() not in _FALSE_STRINGS
+        return cls(disabled=disabled, device_defaults=defaults)
+
+    def describe(self) -> list[str]:
+        lines = [f"{op}: {impl} disabled" for op, impl in sorted(self.disabled)]
+        if not self.device_defaults:
+            lines.append(f"{ENV_DEVICE_DEFAULTS}=0: generic registry entry on every device")
+        return lines
+
+
+@runtime_checkable
+class KernelImplementation(Protocol):
+    """What every backend's implementation of an op exposes to the registry.
+
+    To add a backend: declare `name`, write `check(call, device)` returning the first
+    reason it cannot compute `call` exactly (or `None`), `default_config(call, device)`,
+    and a `__call__` taking the op's canonical arguments plus `config`, with forward
+    and backward under one `jax.custom_vjp`. Then list its name in `DEVICE_DEFAULTS`
+    and in the op's implementation table.
+    """
+
+    name: str
+
+    def check(self, call: Any, device: DeviceInfo) -> str | None: ...
+
+    def default_config(self, call: Any, device: DeviceInfo) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome of selection for one call.
+
+    Attributes:
+        kernel: name of the implementation that will run.
+        config: its config (tiles etc.), or `None` where it has none.
+        reason: why it was taken.
+        rejected: `(name, reason)` for each candidate passed over, in priority order.
+    """
+
+    kernel: str
+    config: Any
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"chose {self.kernel!r}: {self.reason}"]
+        lines += [f"  rejected {name!r}: {why}" for name, why in self.rejected]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A resolved backend: what to try, on which device, in which order.
+
+    Build it with `resolve(op, implementation)`. It is hashable and lives in a module's
+    static field, so `__call__` never reads the environment.
+    """
+
+    op: str
+    requested: str
+    priority: tuple[str, ...]
+    device: DeviceInfo
+    opt_outs: OptOuts = OptOuts()
+    pruned: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def pinned(self) -> bool:
+        return self.requested != "auto"
+
+    def select(self, call: Any, config: Any = None) -> Choice:
+        """Pick the implementation for `call`.
+
+        Args:
+            call: the op's canonical call description (e.g. `AttentionCall`).
+            config: an explicit config for a pinned implementation, used as given.
+
+        Raises:
+            UnsupportedError: a pinned implementation cannot compute `call`, or no
+                candidate of an automatic backend can.
+        """
+        table = implementations(self.op)
+        rejected = list(self.pruned)
+        for name in self.priority:
+            impl = table[name]
+            why = impl.check(call, self.device)
+            if why is None:
+                if config is None:
+                    config = impl.default_config(call, self.device)
+                if self.pinned:
+                    reason = "requested by name"
+                else:
+                    reason = f"first supported in the {self._entry()!r} priority list"
+                return Choice(name, config, reason, tuple(rejected))
+            if self.pinned:
+                raise UnsupportedError(name, why)
+            rejected.append((name, why))
+        details = "; ".join(f"{n}: {w}" for n, w in rejected)
+        raise UnsupportedError(self.requested, f"no implementation supports this call ({details})")
+
+    def _entry(self) -> str:
+        return self.device.registry_key if self.opt_outs.device_defaults else "generic"
+
+
+_IMPLEMENTATION_TABLES: dict[str, Callable[[], Mapping[str, KernelImplementation]]] = {}
+
+
+def register_op(op: str, table: Callable[[], Mapping[str, KernelImplementation]]) -> None:
+    """Register the lazily built implementation table of an op family."""
+    _IMPLEMENTATION_TABLES[op] = table
+
+
+def implementations(op: str) -> Mapping[str, KernelImplementation]:
+    """The implementation table of `op` (name -> implementation)."""
+    if op not in _IMPLEMENTATION_TABLES:
+        # The op's module registers its table on import.
+        import probjax_eqx.attention  # noqa: F401
+    return _IMPLEMENTATION_TABLES[op]()
+
+
+def resolve(
+    op: str,
+    implementation: str | None = None,
+    *,
+    device: DeviceInfo | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Backend:
+    """Resolve `implementation=` into a `Backend`, reading device and env opt-outs once.
+
+    Args:
+        op: the op family, e.g. `"attention"`.
+        implementation: `None`/`"auto"` for the registry's priority list, or a name.
+        device: the device to resolve for (default: JAX's default device).
+        environ: environment to read the opt-outs from (default: `os.environ`).
+
+    Raises:
+        ValueError: `implementation` is not a known name.
+    """
+    if op not in DEVICE_DEFAULTS:
+        raise ValueError(f"unknown op {op!r}; known ops: {sorted(DEVICE_DEFAULTS)}")
+    requested = "auto" if implementation is None else implementation
+    if requested not in get_args(Implementation):
+        raise ValueError(
+            f"unknown implementation={implementation!r} for {op}; "
+            f"expected None or one of {list(get_args(Implementation))}"
+        )
+    device = detect_device() if device is None else device
+    opt_outs = OptOuts.from_env(environ)
+    if requested != "auto":
+        return Backend(op, requested, (requested,), device, opt_outs)
+    entries = DEVICE_DEFAULTS[op]
+    key = device.registry_key if opt_outs.device_defaults else "generic"
+    priority = entries.get(key, entries["generic"])
+    pruned = tuple(
+        (name, f"disabled by the environment ({_env_var_for(op, name)}=0)")
+        for name in priority
+        if (op, name) in opt_outs.disabled
+    )
+    kept = tuple(name for name in priority if (op, name) not in opt_outs.disabled)
+    return Backend(op, "auto", kept, device, opt_outs, pruned)
+
+
+def _env_var_for(op: str, name: str) -> str:
+    return next(var for var, target in ENV_OPT_OUTS.items() if target == (op, name))
+
+
+def explain(target: Any, *args: Any, **kwargs: Any) -> Choice:
+    """Return the `Choice` that `target(*args, **kwargs)` would make, without running it.
+
+    `target` is a module or functional op of this package, e.g.
+    `explain(attention_module, x)` or `explain(dot_product_attention, q, k, v)`.
+    """
+    explainer = getattr(target, "explain", None)
+    if explainer is None:
+        raise TypeError(f"{target!r} has no backend to explain")
+    return explainer(*args, **kwargs)

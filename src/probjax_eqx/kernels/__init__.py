@@ -1,0 +1,1 @@
+"""Kernel families, grouped by backend: reference/, triton/, mosaic/, cudnn/."""

@@ -1,0 +1,1 @@
+"""cuDNN routes through JAX."""

@@ -1,0 +1,94 @@
+"""cuDNN fused flash attention through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+cuDNN expresses a fixed menu of masks; the capability record and `_mask_rule` accept a
+call only when the menu can state our mask exactly: any `&` of at most one each of
+top-left `Causal`, a left `LocalWindow` (on square calls), `KVLengths` and `QLengths`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.masks import Causal, KVLengths, LocalWindow, QLengths, conjuncts
+
+
+def _mask_rule(call: AttentionCall) -> str | None:
+    names = [term[0] for term in call.mask_terms]
+    for name in set(names):
+        if names.count(name) > 1:
+            return f"cuDNN takes at most one {name!r} mask term"
+    square = call.q_len == call.kv_len
+    for term in call.mask_terms:
+        if term[0] == "causal" and term[1] != "top_left" and not square:
+            return "cuDNN's causal mask is top-left aligned; bottom-right needs Lq == Lkv"
+        if term[0] == "local_window":
+            right = term[2]
+            if not square:
+                return "cuDNN's sliding window needs Lq == Lkv"
+            if right != 0 and "causal" not in names:
+                return f"cuDNN supports no right window (right={right}) without a causal mask"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttention:
+    """The `"cudnn"` implementation (bf16/fp16, head dims multiple of 8 up to 128)."""
+
+    name: str = "cudnn"
+    capabilities: AttentionCapabilities = AttentionCapabilities(
+        dtypes=frozenset({"bfloat16", "float16"}),
+        platforms=frozenset({"gpu"}),
+        min_compute_capability="sm_80",
+        max_head_dim=128,
+        head_dim_multiple=8,
+        same_qk_v_dim=True,
+        mask_terms=frozenset({"causal", "local_window", "kv_lengths", "q_lengths"}),
+        score_mods=frozenset(),
+        extra=(_mask_rule,),
+    )
+
+    def check(self, call: AttentionCall, device: DeviceInfo) -> str | None:
+        return self.capabilities.check(call, device)
+
+    def default_config(self, call: AttentionCall, device: DeviceInfo) -> None:
+        del call, device
+        return None
+
+    def __call__(self, q, k, v, *, mask, score_mod, scale, config):
+        del score_mod, config
+        batch, q_len = q.shape[:2]
+        causal, window, kv_lengths, q_lengths = False, None, None, None
+        for term in conjuncts(mask):
+            if isinstance(term, Causal):
+                causal = True
+            elif isinstance(term, LocalWindow):
+                # Accepted windows end at the query (right=0, or cut by Causal).
+                causal = True
+                if term.left is not None:
+                    window = (term.left, 0)
+            elif isinstance(term, KVLengths):
+                kv_lengths = jnp.broadcast_to(term.lengths, (batch,)).astype(jnp.int32)
+            elif isinstance(term, QLengths):
+                q_lengths = jnp.broadcast_to(term.lengths, (batch,)).astype(jnp.int32)
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            is_causal=causal,
+            query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths,
+            local_window_size=window,
+            implementation="cudnn",
+        )
+        # Rows without a valid key are zero by our contract; cuDNN leaves padded
+        # query rows unspecified, and an empty key set gives no valid key to any row.
+        empty = jnp.zeros((batch, q_len), bool)
+        if q_lengths is not None:
+            empty = empty | (jnp.arange(q_len)[None, :] >= q_lengths[:, None])
+        if kv_lengths is not None:
+            empty = empty | (kv_lengths[:, None] <= 0)
+        return jnp.where(empty[:, :, None, None], jnp.zeros((), out.dtype), out)

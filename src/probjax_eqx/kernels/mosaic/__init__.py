@@ -1,0 +1,1 @@
+"""Pallas Mosaic GPU kernels for Hopper (wgmma, TMA), written with `plgpu.kernel`."""

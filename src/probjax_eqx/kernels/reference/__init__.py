@@ -1,0 +1,1 @@
+"""Exact pure-JAX versions of every op: the oracle for tests and the "xla" backend."""

@@ -1,0 +1,1 @@
+"""Pallas Triton kernels (run on the CPU with `interpret=True`)."""

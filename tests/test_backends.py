@@ -1,0 +1,135 @@
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from probjax_eqx import UnsupportedError, explain, explain_attention, masks, resolve
+from probjax_eqx.backends import DeviceInfo, detect_device
+
+H200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+A100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
+CPU = DeviceInfo("cpu", "cpu")
+
+
+def shapes(dtype=jnp.bfloat16, d=64, lq=128, lkv=128):
+    q = jax.ShapeDtypeStruct((2, lq, 4, d), dtype)
+    kv = jax.ShapeDtypeStruct((2, lkv, 4, d), dtype)
+    return q, kv, kv
+
+
+def test_detect_device_on_cpu():
+    info = detect_device()
+    assert info.platform == jax.devices()[0].platform
+    assert info.registry_key == ("sm_90" if info.compute_capability == "sm_90" else "generic")
+
+
+def test_registry_entries_and_opt_outs():
+    assert resolve("attention", device=H200, environ={}).priority == (
+        "cudnn",
+        "mosaic",
+        "triton",
+        "xla",
+    )
+    assert resolve("attention", device=A100, environ={}).priority == ("triton", "xla")
+    env = {"PROBJAX_ATTENTION_CUDNN": "0", "PROBJAX_ATTENTION_MOSAIC": "false"}
+    backend = resolve("attention", device=H200, environ=env)
+    assert backend.priority == ("triton", "xla")
+    assert [name for name, _ in backend.pruned] == ["cudnn", "mosaic"]
+    generic = resolve("attention", device=H200, environ={"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"})
+    assert generic.priority == ("triton", "xla")
+    # Opt-outs never replace a pinned choice.
+    assert resolve("attention", "cudnn", device=H200, environ=env).priority == ("cudnn",)
+
+
+def test_backend_is_hashable_and_frozen():
+    a = resolve("attention", device=H200, environ={})
+    b = resolve("attention", device=H200, environ={})
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(AttributeError):
+        a.requested = "xla"  # type: ignore[misc]
+
+
+def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
+    backend = resolve("attention", device=H200, environ={})
+    choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
+    assert choice.kernel == "cudnn" and choice.rejected == ()
+    assert "'sm_90' priority list" in choice.reason
+    # float32 and score mods are beyond cuDNN; the unreleased kernels say so.
+    choice = explain_attention(*shapes(jnp.float32), implementation=backend)
+    assert choice.kernel == "xla"
+    reasons = dict(choice.rejected)
+    assert "dtype float32 not supported" in reasons["cudnn"]
+    assert "not in this release" in reasons["mosaic"] and "not in this release" in reasons["triton"]
+    assert "rejected 'cudnn'" in str(choice)
+
+
+@pytest.mark.parametrize(
+    "mask, d, lq, match",
+    [
+        (masks.Causal("bottom_right"), 64, 64, "bottom-right needs Lq == Lkv"),
+        (masks.LocalWindow(4, 2), 64, 128, "no right window"),
+        (masks.Segments(jnp.zeros((2, 128), jnp.int32)), 64, 128, "mask 'segments' not supported"),
+        (None, 72 + 1, 128, "not a multiple of 8"),
+        (None, 256, 128, "exceeds the maximum 128"),
+        (masks.KVLengths(3) & masks.KVLengths(4), 64, 128, "at most one 'kv_lengths'"),
+    ],
+)
+def test_pinned_cudnn_refuses_with_reason(mask, d, lq, match):
+    backend = resolve("attention", "cudnn", device=H200, environ={})
+    with pytest.raises(UnsupportedError, match=match) as info:
+        explain_attention(*shapes(d=d, lq=lq), mask=mask, implementation=backend)
+    assert info.value.implementation == "cudnn"
+
+
+def test_cudnn_accepts_what_it_can_state():
+    backend = resolve("attention", "cudnn", device=H200, environ={})
+    ok = masks.Causal() & masks.KVLengths(jnp.array([3, 4])) & masks.QLengths(5)
+    assert explain_attention(*shapes(), mask=ok, implementation=backend).kernel == "cudnn"
+    window = masks.causal_local_window(16)
+    assert explain_attention(*shapes(), mask=window, implementation=backend).kernel == "cudnn"
+    with pytest.raises(UnsupportedError, match="compute capability >= sm_80"):
+        explain_attention(
+            *shapes(),
+            implementation=resolve(
+                "attention", "cudnn", device=DeviceInfo("gpu", "T4", "sm_75"), environ={}
+            ),
+        )
+
+
+def test_auto_on_cpu_explains_itself():
+    q, k, v = shapes(jnp.float32)
+    choice = explain_attention(q, k, v)
+    if jax.devices()[0].platform == "cpu":
+        assert choice.kernel == "xla"
+        assert dict(choice.rejected)["triton"]
+
+
+def test_explain_dispatch():
+    from probjax_eqx import dot_product_attention
+
+    choice = explain(dot_product_attention, *shapes(jnp.float32), implementation="xla")
+    assert choice.kernel == "xla" and choice.reason == "requested by name"
+    with pytest.raises(TypeError, match="no backend to explain"):
+        explain(len)
+
+
+def test_unknown_op_and_implementation():
+    with pytest.raises(ValueError, match="unknown op"):
+        resolve("convolution")
+    with pytest.raises(ValueError, match="unknown implementation='fast'"):
+        resolve("attention", "fast")
+
+
+def test_cli_reports_device_and_choices():
+    out = subprocess.run(
+        [sys.executable, "-m", "probjax_eqx"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PROBJAX_ATTENTION_CUDNN": "0", "JAX_PLATFORMS": "cpu", "PATH": ""},
+    ).stdout
+    assert "registry entry: 'generic'" in out
+    assert "attention: cudnn disabled" in out
+    assert "chose 'xla'" in out

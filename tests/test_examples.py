@@ -1,0 +1,69 @@
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_example(name, *args):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_quickstart_learns_and_round_trips_a_checkpoint(tmp_path):
+    out = run_example("quickstart.py", "--steps", "120", "--checkpoint", str(tmp_path / "m.eqx"))
+    initial, final = (float(x) for x in re.search(r"eval loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert final < 0.5 * initial, out
+    assert "checkpoint saved and reloaded" in out
+    assert (tmp_path / "m.eqx").stat().st_size > 0
+
+
+def test_bench_quick_run_writes_rows(tmp_path):
+    import json
+
+    out_file = tmp_path / "rows.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--suite",
+            "attention",
+            "--quick",
+            "--repeats",
+            "2",
+            "--only",
+            "probjax auto",
+            "probjax triton",
+            "--out",
+            str(out_file),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out_file.read_text())["rows"]
+    assert {r["status"] for r in rows} == {"ok", "unsup."}
+    for row in rows:
+        assert {
+            "suite",
+            "implementation",
+            "shape",
+            "dtype",
+            "status",
+            "message",
+            "device",
+            "versions",
+        } <= set(row)
+        if row["status"] == "ok":
+            assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["max_abs_err"] < 2e-2

@@ -1,0 +1,112 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _attention_cases import numpy_attention
+from probjax_eqx import Attention, UnsupportedError, masks
+from probjax_eqx.attention import rope
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_attention_module_matches_manual_projection(getkey, num_kv_heads):
+    attn = Attention(32, 4, num_kv_heads=num_kv_heads, v_head_dim=6, output_dim=24, key=getkey())
+    x = jax.random.normal(getkey(), (5, 32))
+    out = attn(x, mask=masks.Causal())
+    assert out.shape == (5, 24)
+    q = (x @ attn.query_proj.weight.T).reshape(1, 5, 4, 8)
+    k = (x @ attn.key_proj.weight.T).reshape(1, 5, num_kv_heads, 8)
+    v = (x @ attn.value_proj.weight.T).reshape(1, 5, num_kv_heads, 6)
+    o = numpy_attention(q, k, v, valid=np.tril(np.ones((5, 5), bool)))
+    expected = o.reshape(5, 24) @ np.asarray(attn.output_proj.weight, np.float64).T
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_attention_rope_qk_norm_and_vmap(getkey):
+    attn = Attention(
+        16, 2, context_dim=12, rope_theta=1e4, qk_norm=True, use_bias=True, key=getkey()
+    )
+    x = jax.random.normal(getkey(), (3, 6, 16))
+    ctx = jax.random.normal(getkey(), (3, 9, 12))
+    lengths = jnp.array([9, 4, 1])
+    out = jax.vmap(lambda x, c, n: attn(x, c, mask=masks.KVLengths(n)))(x, ctx, lengths)
+    assert out.shape == (3, 6, 16) and np.all(np.isfinite(out))
+    # Keys past a length never matter.
+    poked = ctx.at[1, 4:].set(100.0)
+    again = jax.vmap(lambda x, c, n: attn(x, c, mask=masks.KVLengths(n)))(x, poked, lengths)
+    np.testing.assert_allclose(again[1], out[1], atol=1e-5)
+
+
+def test_rope_is_a_rotation_with_relative_phase(getkey):
+    x = jax.random.normal(getkey(), (6, 2, 8))
+    y = rope(x)
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+    q, k = jax.random.normal(getkey(), (2, 1, 1, 8))
+
+    def score(i, j):
+        qs = rope(jnp.broadcast_to(q, (8, 1, 8)))[i]
+        ks = rope(jnp.broadcast_to(k, (8, 1, 8)))[j]
+        return jnp.sum(qs * ks)
+
+    np.testing.assert_allclose(score(3, 1), score(6, 4), rtol=1e-4)
+
+
+def test_grad_jit_and_scan_over_layers(getkey):
+    keys = jax.random.split(getkey(), 3)
+    layers = eqx.filter_vmap(lambda k: Attention(16, 4, num_kv_heads=2, key=k))(keys)
+    params, static = eqx.partition(layers, eqx.is_array)
+    x = jax.random.normal(getkey(), (7, 16))
+
+    def forward(params, x):
+        def body(h, p):
+            layer = eqx.combine(p, static)
+            return h + layer(h, mask=masks.Causal()), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+    def loss(params):
+        return jnp.mean(forward(params, x) ** 2)
+
+    grads = jax.jit(jax.grad(loss))(params)
+    leaves = jax.tree.leaves(grads)
+    assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
+    unrolled = x
+    for i in range(3):
+        layer = eqx.combine(jax.tree.map(lambda p, i=i: p[i], params), static)
+        unrolled = unrolled + layer(unrolled, mask=masks.Causal())
+    np.testing.assert_allclose(forward(params, x), unrolled, atol=1e-5)
+    grads2 = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2)))(
+        Attention(16, 4, key=getkey())
+    )
+    assert np.all(np.isfinite(grads2.query_proj.weight))
+
+
+def test_backend_resolved_at_construction(monkeypatch, getkey):
+    monkeypatch.setenv("PROBJAX_ATTENTION_CUDNN", "0")
+    attn = Attention(16, 2, key=getkey())
+    monkeypatch.delenv("PROBJAX_ATTENTION_CUDNN")
+    assert ("attention", "cudnn") in attn.backend.opt_outs.disabled
+    choice = attn.explain(jnp.zeros((4, 16)), mask=masks.Causal())
+    assert choice.kernel == "xla" or jax.devices()[0].platform == "gpu"
+    pinned = Attention(16, 2, implementation="triton", key=getkey())
+    with pytest.raises(UnsupportedError, match="triton"):
+        pinned(jnp.zeros((4, 16)))
+
+
+def test_compute_dtype_and_invalid_config(getkey):
+    attn = Attention(16, 2, compute_dtype="bfloat16", key=getkey())
+    x = jax.random.normal(getkey(), (4, 16))
+    out = attn(x)
+    assert out.dtype == jnp.float32
+    ref = Attention(16, 2, key=getkey())
+    ref = eqx.tree_at(
+        lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj),
+        ref,
+        (attn.query_proj, attn.key_proj, attn.value_proj, attn.output_proj),
+    )
+    np.testing.assert_allclose(out, ref(x), atol=5e-2)
+    with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
+        Attention(12, 3, num_kv_heads=2, key=getkey())
+    with pytest.raises(ValueError, match="even"):
+        Attention(12, 4, rope_theta=1e4, key=getkey())
