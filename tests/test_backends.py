@@ -1,3 +1,5 @@
+import os
+import os
 import subprocess
 import sys
 
@@ -128,7 +130,7 @@ def test_cli_reports_device_and_choices():
         capture_output=True,
         text=True,
         check=True,
-        env={"PROBJAX_ATTENTION_CUDNN": "0", "JAX_PLATFORMS": "cpu", "PATH": ""},
+        env={**os.environ, "PROBJAX_ATTENTION_CUDNN": "0", "JAX_PLATFORMS": "cpu"},
     ).stdout
     assert "registry entry: 'generic'" in out
     assert "attention: cudnn disabled" in out
