@@ -7,7 +7,15 @@ from jax.test_util import check_grads
 
 from _attention_cases import loss_and_grads, make_qkv, numpy_attention
 from _tolerance import assert_close
-from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx import (
+    UnsupportedError,
+    biases,
+    dot_product_attention,
+    flex_attention,
+    masks,
+    resolve,
+)
+from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels.reference import attention as reference
 
 MASKS = {
@@ -181,8 +189,9 @@ def test_unsupported_and_unknown_implementations():
     for name in ("triton", "mosaic"):
         with pytest.raises(UnsupportedError, match=f"implementation='{name}'.*not in this release"):
             dot_product_attention(q, k, v, implementation=name)
+    cpu_cudnn = resolve("attention", "cudnn", device=DeviceInfo("cpu", "cpu"), environ={})
     with pytest.raises(UnsupportedError, match="not on platform 'cpu'"):
-        dot_product_attention(q, k, v, implementation="cudnn")
+        dot_product_attention(q, k, v, implementation=cpu_cudnn)
     with pytest.raises(ValueError, match=r"expected None or one of \['auto', 'xla'"):
         dot_product_attention(q, k, v, implementation="flash")
 

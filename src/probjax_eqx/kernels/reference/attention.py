@@ -64,9 +64,11 @@ def attention(
     _, kv_len, kv_heads, v_dim = v.shape
     groups = q_heads // kv_heads
     f32 = jnp.float32
-    precision = jax.lax.Precision.HIGHEST
     if oracle:
         q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
+    # Products of 16-bit inputs are exact in float32 accumulation at any precision;
+    # float32 inputs need HIGHEST to avoid TF32 rounding.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == f32 else jax.lax.Precision.DEFAULT
     qg = q.reshape(batch, q_len, kv_heads, groups, qk_dim)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=precision, preferred_element_type=f32)
     s = s * jnp.asarray(scale, f32)
@@ -74,14 +76,15 @@ def attention(
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki).astype(f32)
     if mask is None:
-        valid = jnp.ones(s.shape, bool)
+        row_max = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.exp(s - row_max)
     else:
         ctx = MaskContext(batch, q_len, kv_len)
         valid = jnp.broadcast_to(mask.predicate(ctx, b, h, qi, ki), s.shape)
-    s = jnp.where(valid, s, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(valid, jnp.exp(jnp.where(valid, s - row_max, 0.0)), 0.0)
+        row_max = jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True)
+        row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+        # Masked scores never reach exp, so empty rows have no inf/NaN in any gradient.
+        p = jnp.where(valid, jnp.exp(jnp.where(valid, s - row_max, 0.0)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     safe_denom = jnp.where(denom > 0, denom, 1.0)
     p = p / safe_denom
