@@ -22,8 +22,10 @@ FULL = dict(batch=[4], heads=[8], seq=[1024, 4096, 16384], head_dim=[64, 128], c
 QUICK = dict(batch=[1], heads=[2], seq=[128], head_dim=[32], causal=[False, True])
 
 
-def cases(quick: bool) -> Iterator[dict]:
-    grid = QUICK if quick else FULL
+def cases(quick: bool, seqs: list[int] | None = None) -> Iterator[dict]:
+    grid = dict(QUICK if quick else FULL)
+    if seqs:
+        grid["seq"] = seqs
     for b, h, t, d, c in itertools.product(*grid.values()):
         yield dict(batch=b, heads=h, seq=t, head_dim=d, causal=c)
 
@@ -43,8 +45,22 @@ def _jax_impls() -> dict[str, Callable]:
 
         return f
 
+    def upstream_mha(q, k, v, causal):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as upstream
+        return upstream.mha(q, k, v, None, sm_scale=1.0 / q.shape[-1] ** 0.5, causal=causal)
+
     impls = {f"probjax {n}": ours(n) for n in ("auto", "xla", "cudnn", "triton", "mosaic")}
-    impls.update({"jax.nn xla": jax_nn("xla"), "jax.nn cudnn": jax_nn("cudnn")})
+    impls.update(
+        {
+            "jax.nn xla": jax_nn("xla"),
+            "jax.nn cudnn": jax_nn("cudnn"),
+            "jax pallas mha (deprecated)": upstream_mha,
+        }
+    )
     return impls
 
 
@@ -127,10 +143,18 @@ def _time_torch(f, q, k, v, ct, causal, repeats):
     return out, fwd_ms, bwd_ms
 
 
-def run(writer, base_row: dict, *, quick: bool, repeats: int, only: set[str] | None = None):
+def run(
+    writer,
+    base_row: dict,
+    *,
+    quick: bool,
+    repeats: int,
+    only: set[str] | None = None,
+    seqs: list[int] | None = None,
+):
     jax_impls, torch_impls = _jax_impls(), _torch_impls()
     names = [n for n in [*jax_impls, *torch_impls] if only is None or n in only]
-    for case in cases(quick):
+    for case in cases(quick, seqs):
         b, h, t, d, causal = case.values()
         keys = jax.random.split(jax.random.key(t * d + causal), 4)
         q, k, v = (

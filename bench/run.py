@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", nargs="*", help="implementation names to run")
+    parser.add_argument("--seq", nargs="*", type=int, help="sequence lengths to run")
     args = parser.parse_args(argv)
     writer = RowWriter(args.out)
     base = dict(
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
             quick=args.quick,
             repeats=args.repeats,
             only=set(args.only) if args.only else None,
+            seqs=args.seq,
         )
         for row in tqdm(rows, desc=suite, mininterval=2.0):
             shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())

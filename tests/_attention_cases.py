@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax_eqx import masks
+
 
 def make_qkv(
     key,
@@ -59,3 +61,24 @@ def loss_and_grads(fn, q, k, v, cotangent):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+# Masks over batch=2, q_len=7, kv_len=9 (the `make_qkv` defaults).
+MASKS = {
+    "none": None,
+    "causal": masks.Causal(),
+    "causal_bottom_right": masks.Causal("bottom_right"),
+    "window": masks.LocalWindow(2, 3),
+    "causal_window": masks.causal_local_window(3),
+    "prefix_lm": masks.PrefixLM(jnp.array([2, 5])),
+    "block_diagonal": masks.BlockDiagonal(3, 4),
+    "kv_lengths": masks.KVLengths(jnp.array([9, 4])),
+    "q_lengths": masks.QLengths(jnp.array([7, 3])),
+    "segments": masks.Segments(
+        jnp.array([[0, 0, 0, 1, 1, 2, 2]] * 2),
+        jnp.array([[0, 0, 1, 1, 1, 1, 2, 2, 2]] * 2),
+        sorted=True,
+    ),
+    "causal_and_kv_lengths": masks.Causal() & masks.KVLengths(jnp.array([5, 9])),
+    "or_not": (masks.Causal() | masks.BlockDiagonal(2)) & ~masks.KVLengths(jnp.array([1, 0])),
+}

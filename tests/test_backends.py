@@ -57,12 +57,17 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
-    # float32 and score mods are beyond cuDNN; the unreleased kernels say so.
+    # float32 is beyond cuDNN; the unreleased Mosaic kernel says so; Triton takes it.
     choice = explain_attention(*shapes(jnp.float32), implementation=backend)
-    assert choice.kernel == "xla"
+    assert choice.kernel == "triton"
     reasons = dict(choice.rejected)
     assert "dtype float32 not supported" in reasons["cudnn"]
-    assert "not in this release" in reasons["mosaic"] and "not in this release" in reasons["triton"]
+    assert "not in this release" in reasons["mosaic"]
+    # A dense mask is beyond every kernel: only XLA computes it.
+    dense = masks.DenseMask(jnp.ones((1, 1, 128, 128), bool))
+    choice = explain_attention(*shapes(), mask=dense, implementation=backend)
+    assert choice.kernel == "xla"
+    assert "dense mask cannot be evaluated per tile" in dict(choice.rejected)["triton"]
     assert "rejected 'cudnn'" in str(choice)
 
 

@@ -28,14 +28,13 @@ from probjax_eqx.backends import Backend, Choice, register_op, resolve
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention
+from probjax_eqx.kernels.triton.attention import TritonAttention
 from probjax_eqx.masks import AbstractMask, DenseMask, MaskFn
 
 _IMPLEMENTATIONS = {
     "xla": XlaAttention(),
     "cudnn": CudnnAttention(),
-    "triton": UnavailableAttention(
-        "triton", "the Pallas Triton flash-attention kernel is not in this release yet"
-    ),
+    "triton": TritonAttention(),
     "mosaic": UnavailableAttention(
         "mosaic", "the Mosaic GPU flash-attention kernel is not in this release yet"
     ),

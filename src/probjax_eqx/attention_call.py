@@ -144,8 +144,8 @@ class UnavailableAttention:
     name: str
     reason: str
 
-    def check(self, call: AttentionCall, device: DeviceInfo) -> str | None:
-        del call, device
+    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        del call, device, config
         return self.reason
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> None:

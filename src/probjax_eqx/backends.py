@@ -133,8 +133,8 @@ class OptOuts:
 class KernelImplementation(Protocol):
     """What every backend's implementation of an op exposes to the registry.
 
-    To add a backend: declare `name`, write `check(call, device)` returning the first
-    reason it cannot compute `call` exactly (or `None`), `default_config(call, device)`,
+    To add a backend: declare `name`, write `check(call, device, config)` returning the
+    first reason it cannot compute `call` exactly (or `None`), `default_config(call, device)`,
     and a `__call__` taking the op's canonical arguments plus `config`, with forward
     and backward under one `jax.custom_vjp`. Then list its name in `DEVICE_DEFAULTS`
     and in the op's implementation table.
@@ -142,7 +142,7 @@ class KernelImplementation(Protocol):
 
     name: str
 
-    def check(self, call: Any, device: DeviceInfo) -> str | None: ...
+    def check(self, call: Any, device: DeviceInfo, config: Any = None) -> str | None: ...
 
     def default_config(self, call: Any, device: DeviceInfo) -> Any: ...
 
@@ -199,11 +199,13 @@ class Backend:
             UnsupportedError: a pinned implementation cannot compute `call`, or no
                 candidate of an automatic backend can.
         """
+        if config is not None and not self.pinned:
+            raise ValueError("config= applies to one implementation: pass implementation= too")
         table = implementations(self.op)
         rejected = list(self.pruned)
         for name in self.priority:
             impl = table[name]
-            why = impl.check(call, self.device)
+            why = impl.check(call, self.device, config)
             if why is None:
                 if config is None:
                     config = impl.default_config(call, self.device)

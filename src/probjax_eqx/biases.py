@@ -60,6 +60,8 @@ class BiasSum(AbstractBias):
 
 
 def _head(values: Array, h: Array) -> Array:
+    if values.ndim == 0:  # already this head's value (inside a kernel)
+        return values
     return values[jnp.minimum(h, values.shape[0] - 1)]
 
 

@@ -50,7 +50,8 @@ class CudnnAttention:
         extra=(_mask_rule,),
     )
 
-    def check(self, call: AttentionCall, device: DeviceInfo) -> str | None:
+    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        del config
         return self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> None:

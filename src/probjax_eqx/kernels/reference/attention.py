@@ -117,7 +117,8 @@ class XlaAttention:
     name: str = "xla"
     capabilities: AttentionCapabilities = AttentionCapabilities()
 
-    def check(self, call: AttentionCall, device: DeviceInfo) -> str | None:
+    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        del config
         return self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> XlaAttentionConfig:

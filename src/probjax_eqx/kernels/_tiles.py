@@ -1,0 +1,139 @@
+"""Masks and score mods inside kernels: their arrays as kernel operands, rebuilt per tile.
+
+A kernel cannot gather from a mask's arrays; instead each array becomes an operand of a
+known *kind*, delivered per program by a BlockSpec:
+
+| kind     | array in the wrapper   | what the kernel sees                          |
+|----------|------------------------|-----------------------------------------------|
+| `batch`  | `[batch]`              | the scalar of this program's batch element    |
+| `head`   | `[q_heads]`            | the scalar of this program's query head       |
+| `q_pos`  | `[batch, q_len_pad]`   | the values of the current query tile          |
+| `kv_pos` | `[batch, kv_len_pad]`  | the values of the current key tile            |
+
+`split(tree, ...)` returns the operands, their kinds and a `rebuild(values)` that makes a
+tile-local copy of the mask / score mod whose `predicate` / `__call__` evaluate on tile
+index arrays. The same code therefore defines a mask in the reference and in every kernel.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from probjax_eqx import biases, masks
+
+# Leaves without arrays, usable inside kernels as they are.
+_PURE = (
+    masks.Causal,
+    masks.LocalWindow,
+    masks.BlockDiagonal,
+    masks.MaskFn,
+    biases.SoftCap,
+    biases.ScoreFn,
+)
+# Combinators: (class, field holding the children, whether the field is a tuple).
+_COMBINATORS = {
+    masks.And: (("left", "right"), False),
+    masks.Or: (("left", "right"), False),
+    masks.Not: (("mask",), False),
+    biases.Compose: (("mods",), True),
+    biases.BiasSum: (("terms",), True),
+}
+# Leaves holding one per-batch or per-head array: (field, kind).
+_SCALAR_LEAVES = {
+    masks.KVLengths: ("lengths", "batch"),
+    masks.QLengths: ("lengths", "batch"),
+    masks.PrefixLM: ("prefix_length", "batch"),
+    biases.ALiBi: ("slopes", "head"),
+    biases.HeadScale: ("scales", "head"),
+}
+
+
+class _TileSegments(masks.AbstractMask):
+    """`Segments` restricted to one (query tile, key tile): ids are already the tiles'."""
+
+    q_ids: Any
+    kv_ids: Any
+
+    def predicate(self, ctx, b, h, q, kv):
+        return self.q_ids[:, None] == self.kv_ids[None, :]
+
+    def kv_range(self, ctx, b, q_lo, q_hi):
+        raise AssertionError("tile-local masks have no ranges")
+
+    def q_range(self, ctx, b, kv_lo, kv_hi):
+        raise AssertionError("tile-local masks have no ranges")
+
+    def spec(self):
+        return ("tile_segments",)
+
+
+def unsupported_reason(tree: object) -> str | None:
+    """Why `tree` (a mask or score mod) cannot run inside a kernel, or `None`."""
+    if tree is None or isinstance(tree, _PURE):
+        return None
+    for cls, (fields, is_tuple) in _COMBINATORS.items():
+        if isinstance(tree, cls):
+            children = getattr(tree, fields[0]) if is_tuple else [getattr(tree, f) for f in fields]
+            for child in children:
+                why = unsupported_reason(child)
+                if why is not None:
+                    return why
+            return None
+    if type(tree) in _SCALAR_LEAVES or isinstance(tree, masks.Segments):
+        return None
+    return f"{type(tree).__name__} cannot be evaluated inside the kernel"
+
+
+def _rebuild_combinator(node, fields, is_tuple, walk):
+    """Rebuild a combinator from tile-local children."""
+    names = fields[0] if is_tuple else fields
+    children = getattr(node, names) if is_tuple else [getattr(node, f) for f in names]
+
+    def where(n):
+        return getattr(n, names) if is_tuple else tuple(getattr(n, f) for f in names)
+
+    makers = [walk(child) for child in children]
+    return lambda values: eqx.tree_at(where, node, tuple(m(values) for m in makers))
+
+
+def _broadcast(values, shape):
+    return jnp.broadcast_to(jnp.asarray(values), shape)
+
+
+def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int):
+    """Operands, kinds and `rebuild(values) -> tile-local tree` for a mask or score mod."""
+    operands: list = []
+    kinds: list[str] = []
+
+    def walk(node) -> Callable[[list], Any]:
+        if node is None or isinstance(node, _PURE):
+            return lambda values: node
+        for cls, (fields, is_tuple) in _COMBINATORS.items():
+            if isinstance(node, cls):
+                return _rebuild_combinator(node, fields, is_tuple, walk)
+        if type(node) in _SCALAR_LEAVES:
+            field, kind = _SCALAR_LEAVES[type(node)]
+            size = batch if kind == "batch" else heads
+            index = len(operands)
+            array = getattr(node, field)
+            operands.append(_broadcast(array, (size,)).astype(array.dtype))
+            kinds.append(kind)
+            return lambda values: eqx.tree_at(lambda n: getattr(n, field), node, values[index])
+        if isinstance(node, masks.Segments):
+            index = len(operands)
+            for ids, length, pad_value in (
+                (node.q_segment_ids, q_pad, -1),
+                (node.kv_segment_ids, kv_pad, -2),
+            ):
+                ids = _broadcast(ids, (batch, ids.shape[-1])).astype(jnp.int32)
+                operands.append(
+                    jnp.pad(ids, ((0, 0), (0, length - ids.shape[-1])), constant_values=pad_value)
+                )
+            kinds.extend(["q_pos", "kv_pos"])
+            return lambda values: _TileSegments(values[index], values[index + 1])
+        raise TypeError(unsupported_reason(node))
+
+    rebuild = walk(tree)
+    return operands, kinds, rebuild

@@ -1,0 +1,546 @@
+"""Pallas Triton flash attention: forward and split backward (`implementation="triton"`).
+
+Forward: FlashAttention-2 (Dao, 2023, Algorithm 1) with the online softmax in float32
+in base 2 (`exp2`, the scale folded with log2(e)) and deferred normalisation (FA2
+§3.1.1); the base-2 log-sum-exp is saved for the backward. Backward: FA2 Algorithm 2
+split in two kernels, one per key tile for dK/dV (looping over query tiles) and one per
+query tile for dQ (looping over key tiles), with `delta = rowsum(dO * O)` precomputed.
+
+Masks and score mods run inside the kernels through `kernels._tiles`; the key (query)
+tiles each program visits come from the mask's `kv_range` (`q_range`), computed per
+(batch element, tile) in the wrapper, so tiles a mask empties are neither loaded nor
+computed. GQA reads the KV head `h // groups` through the index maps (no repetition in
+memory); dK/dV are produced per query head and summed over each group. Lengths and head
+dims that are not tile multiples are padded and masked exactly. Rows without a valid key
+give zeros (their log-sum-exp is stored as +inf, so the backward sees p = 0).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels import _tiles
+from probjax_eqx.masks import MaskContext
+
+LOG2E = math.log2(math.e)
+_MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+_SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
+_SMEM_DEFAULT = 99 * 1024
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonAttentionConfig:
+    """Tiles and launch parameters of the Triton kernels.
+
+    Attributes:
+        block_q: query rows per forward program.
+        block_k: keys per forward loop step.
+        block_q_dkv: query rows per loop step of the dK/dV kernel.
+        block_k_dkv: keys per dK/dV program.
+        block_q_dq: query rows per dQ program.
+        block_k_dq: keys per loop step of the dQ kernel.
+        num_warps: warps per forward program.
+        num_warps_bwd: warps per backward program.
+        num_stages: software pipelining depth.
+        backward_pass_impl: `"auto"` or `"triton_split"` (dK/dV and dQ kernels).
+        interpret: run in Pallas interpret mode (CPU tests).
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+    num_warps: int = 4
+    num_warps_bwd: int = 4
+    num_stages: int = 2
+    backward_pass_impl: Literal["auto", "triton_split"] = "auto"
+    interpret: bool = False
+
+    def __post_init__(self):
+        for field in (
+            "block_q",
+            "block_k",
+            "block_q_dkv",
+            "block_k_dkv",
+            "block_q_dq",
+            "block_k_dq",
+        ):
+            value = getattr(self, field)
+            if not _pow2(value) or value < _MIN_BLOCK:
+                raise ValueError(f"{field}={value} must be a power of two >= {_MIN_BLOCK}")
+        for field in ("num_warps", "num_warps_bwd"):
+            if getattr(self, field) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{field}={getattr(self, field)} must be 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.backward_pass_impl not in ("auto", "triton_split"):
+            raise ValueError(
+                f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto' or "
+                "'triton_split' (the fused backward is not in this release)"
+            )
+
+
+def _padded_dim(d: int) -> int:
+    return max(_MIN_BLOCK, 1 << (d - 1).bit_length())
+
+
+def smem_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int, stages: int) -> int:
+    """Shared memory of one forward program: the query tile plus K and V tiles per stage."""
+    return itemsize * (
+        block_q * _padded_dim(d) + stages * block_k * (_padded_dim(d) + _padded_dim(dv))
+    )
+
+
+def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
+    """Tiles for `call`: large tiles, shrunk only while the shared memory would not fit."""
+    itemsize = 4 if call.dtype == "float32" else 2
+    d = max(call.qk_dim, call.v_dim)
+    limit = _SMEM_LIMIT.get(device.compute_capability or "", _SMEM_DEFAULT)
+    block_q, block_k, stages = 128, 64, 2 if d > 64 else 3
+    while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
+        if block_k > 32:
+            block_k //= 2
+        elif block_q > 32:
+            block_q //= 2
+        else:
+            stages = 1
+            break
+    # Short sequences do not need tiles longer than themselves.
+    fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
+    block_q, block_k = fit(block_q, call.q_len), fit(block_k, call.kv_len)
+    bwd = 64 if d <= 64 or itemsize == 2 else 32
+    return TritonAttentionConfig(
+        block_q=block_q,
+        block_k=block_k,
+        block_q_dkv=fit(bwd, call.q_len),
+        block_k_dkv=fit(bwd, call.kv_len),
+        block_q_dq=fit(bwd, call.q_len),
+        block_k_dq=fit(bwd, call.kv_len),
+        num_warps=4 if d <= 64 else 8,
+        num_warps_bwd=4 if d <= 64 else 8,
+        num_stages=stages,
+        interpret=not device.is_gpu,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one kernel launch."""
+
+    call: AttentionCall
+    config: TritonAttentionConfig
+    scale: float
+    q_pad: int
+    kv_pad: int
+    kinds: tuple[str, ...]
+    n_mask_ops: int
+
+    @property
+    def ctx(self) -> MaskContext:
+        return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _tile_scores(s, st: _Static, mask, mod, b, h, q_idx, kv_idx):
+    """Scores in log2 units (masked to -inf) and d(score)/d(q.k) for the backward."""
+
+    def modded(raw):
+        x = raw * st.scale
+        return x if mod is None else mod(x, b, h, q_idx, kv_idx).astype(jnp.float32)
+
+    if mod is None:
+        scores, slope = modded(s), st.scale
+    else:
+        scores, slope = jax.jvp(modded, (s,), (jnp.ones_like(s),))
+    valid = kv_idx < st.call.kv_len
+    if mask is not None:
+        valid = valid & mask.predicate(st.ctx, b, h, q_idx, kv_idx)
+    return jnp.where(valid, scores * LOG2E, -jnp.inf), slope
+
+
+def _rebuilders(st: _Static, rebuild_mask, rebuild_mod):
+    def build(values):
+        return rebuild_mask(values[: st.n_mask_ops]), rebuild_mod(values[st.n_mask_ops :])
+
+    return build
+
+
+def _load_operands(refs, kinds, *, q_tile, kv_tile):
+    """Values of the mask/score-mod operands for the current tiles (see `_tiles`)."""
+    values = []
+    for ref, kind in zip(refs, kinds):
+        if kind in ("batch", "head"):
+            values.append(ref[()])
+        elif kind == "q_pos":
+            values.append(ref[...] if q_tile is None else ref[q_tile])
+        else:
+            values.append(ref[...] if kv_tile is None else ref[kv_tile])
+    return values
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, st: _Static, build):
+    n_ops = len(st.kinds)
+    op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
+    i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = st.config.block_q, st.config.block_k
+    q = q_ref[...]
+    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+
+    def body(j, carry):
+        acc, m, denom = carry
+        start = pl.multiple_of(j * bk, bk)
+        tile = pl.ds(start, bk)
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        s = plt.dot(q, k_ref[tile, :], trans_b=True)
+        s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        v = v_ref[tile, :]
+        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
+        return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    acc, m, denom = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    empty = denom == 0.0
+    safe = jnp.where(empty, 1.0, denom)
+    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
+):
+    n_ops = len(st.kinds)
+    op_refs, (dk_ref, dv_ref) = refs[:n_ops], refs[n_ops:]
+    j, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = st.config.block_q_dkv, st.config.block_k_dkv
+    k, v = k_ref[...], v_ref[...]
+    kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+
+    def body(i, carry):
+        dk, dv = carry
+        start = pl.multiple_of(i * bq, bq)
+        tile = pl.ds(start, bq)
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=tile, kv_tile=None))
+        q, do = q_ref[tile, :], do_ref[tile, :]
+        q_idx = start + jnp.arange(bq, dtype=jnp.int32)[:, None]
+        s, slope = _tile_scores(plt.dot(q, k, trans_b=True), st, mask, mod, b, h, q_idx, kv_idx)
+        p = jnp.exp2(s - lse_ref[tile][:, None])
+        dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True)
+        dp = plt.dot(do, v, trans_b=True)
+        ds = p * (dp - delta_ref[tile][:, None]) * slope
+        dk = dk + plt.dot(ds.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    dk, dv = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
+):
+    n_ops = len(st.kinds)
+    op_refs, (dq_ref,) = refs[:n_ops], refs[n_ops:]
+    i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = st.config.block_q_dq, st.config.block_k_dq
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+
+    def body(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        tile = pl.ds(start, bk)
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        k = k_ref[tile, :]
+        s, slope = _tile_scores(plt.dot(q, k, trans_b=True), st, mask, mod, b, h, q_idx, kv_idx)
+        p = jnp.exp2(s - lse)
+        dp = plt.dot(do, v_ref[tile, :], trans_b=True)
+        ds = p * (dp - delta) * slope
+        return dq + plt.dot(ds.astype(k.dtype), k)
+
+    dq = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_loop: bool):
+    """Per (batch, program tile): the half-open range of loop tiles a mask leaves non-empty."""
+    ctx = st.ctx
+    n_prog_real = ctx.q_len if kv_loop else ctx.kv_len
+    n_loop_real = ctx.kv_len if kv_loop else ctx.q_len
+    n_programs = (st.q_pad if kv_loop else st.kv_pad) // program_block
+    starts = jnp.arange(n_programs, dtype=jnp.int32) * program_block
+    ends = jnp.minimum(starts + program_block, n_prog_real)
+
+    def one(b, lo, hi):
+        if mask is None:
+            return jnp.int32(0), jnp.int32(n_loop_real)
+        bounds = mask.kv_range if kv_loop else mask.q_range
+        return bounds(ctx, b, lo, hi)
+
+    b = jnp.arange(ctx.batch, dtype=jnp.int32)
+    lo, hi = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
+    lo = jnp.broadcast_to(lo, (ctx.batch, n_programs)).astype(jnp.int32)
+    hi = jnp.broadcast_to(hi, (ctx.batch, n_programs)).astype(jnp.int32)
+    empty = (hi <= lo) | (starts >= n_prog_real)[None, :]
+    lo_blk = jnp.where(empty, 0, lo // loop_block)
+    hi_blk = jnp.where(empty, 0, -(-hi // loop_block))
+    return lo_blk, hi_blk
+
+
+def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, head_axis: int):
+    """BlockSpecs for the mask operands, for a grid (tile, head, batch)."""
+    specs = []
+    for kind in kinds:
+        if kind == "batch":
+            specs.append(pl.BlockSpec((None,), lambda t, h, b: (b,)))
+        elif kind == "head":
+            specs.append(pl.BlockSpec((None,), lambda t, h, b: (h,)))
+        elif kind == seq_role:  # the program's own tile
+            specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, t)))
+        else:  # the looped axis: the whole row, sliced per step
+            n = q_pad if kind == "q_pos" else kv_pad
+            specs.append(pl.BlockSpec((None, n), lambda t, h, b: (b, 0)))
+    del head_axis
+    return specs
+
+
+def _range_specs():
+    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t))] * 2
+
+
+def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
+    cfg, groups = st.config, st.call.groups
+    batch, _, heads, d = q.shape
+    dv = v.shape[-1]
+    grid = (st.q_pad // cfg.block_q, heads, batch)
+    in_specs = [
+        pl.BlockSpec((None, cfg.block_q, None, d), lambda i, h, b: (b, i, h, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, dv), lambda i, h, b: (b, 0, h // groups, 0)),
+        *_range_specs(),
+        *_operand_specs(
+            st.kinds,
+            seq_role="q_pos",
+            block=cfg.block_q,
+            q_pad=st.q_pad,
+            kv_pad=st.kv_pad,
+            head_axis=1,
+        ),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, cfg.block_q, None, dv), lambda i, h, b: (b, i, h, 0)),
+        pl.BlockSpec((None, None, cfg.block_q), lambda i, h, b: (b, h, i)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
+    ]
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st, build=build),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret,
+        name="probjax_attention_triton_fwd",
+    )(q, k, v, *fwd_ranges, *operands)
+
+
+def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
+    cfg, groups = st.config, st.call.groups
+    batch, _, heads, d = q.shape
+    kv_heads, dv = k.shape[2], v.shape[-1]
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    params = plt.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages)
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, st=st, build=build),
+        grid=(st.kv_pad // bk, heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0)),
+            pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h // groups, 0)),
+            pl.BlockSpec((None, bk, None, dv), lambda j, h, b: (b, j, h // groups, 0)),
+            pl.BlockSpec((None, st.q_pad, None, dv), lambda j, h, b: (b, 0, h, 0)),
+            pl.BlockSpec((None, None, st.q_pad), lambda j, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, st.q_pad), lambda j, h, b: (b, h, 0)),
+            *_range_specs(),
+            *_operand_specs(
+                st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0)),
+            pl.BlockSpec((None, bk, None, dv), lambda j, h, b: (b, j, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, d), jnp.float32),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, dv), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="probjax_attention_triton_bwd_dkv",
+    )(q, k, v, do, lse, delta, *dkv_ranges, *operands)
+    # Per-query-head dK/dV, summed over the query heads sharing a KV head.
+    dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
+    dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, build=build),
+        grid=(st.q_pad // bq, heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
+            pl.BlockSpec((None, st.kv_pad, None, dv), lambda i, h, b: (b, 0, h // groups, 0)),
+            pl.BlockSpec((None, bq, None, dv), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
+            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
+            *_range_specs(),
+            *_operand_specs(
+                st.kinds, seq_role="q_pos", block=bq, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
+            ),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="probjax_attention_triton_bwd_dq",
+    )(q, k, v, do, lse, delta, *dq_ranges, *operands)
+    return dq, dk, dv_
+
+
+def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
+    """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring)."""
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+    cfg = config
+    q_pad = _round_up(call.q_len, max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
+    kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
+    mask_ops, mask_kinds, rebuild_mask = _tiles.split(
+        mask, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
+    )
+    mod_ops, mod_kinds, rebuild_mod = _tiles.split(
+        score_mod, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
+    )
+    st = _Static(call, cfg, scale, q_pad, kv_pad, tuple(mask_kinds + mod_kinds), len(mask_ops))
+    build = _rebuilders(st, rebuild_mask, rebuild_mod)
+    operands = tuple(mask_ops + mod_ops)
+    ranges = {
+        "fwd": _block_ranges(
+            st, mask, program_block=cfg.block_q, loop_block=cfg.block_k, kv_loop=True
+        ),
+        "dq": _block_ranges(
+            st, mask, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq, kv_loop=True
+        ),
+        "dkv": _block_ranges(
+            st, mask, program_block=cfg.block_k_dkv, loop_block=cfg.block_q_dkv, kv_loop=False
+        ),
+    }
+    d_pad, dv_pad = _padded_dim(call.qk_dim), _padded_dim(call.v_dim)
+
+    def pad(x, length, dim):
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+
+    qp, kp, vp = pad(q, q_pad, d_pad), pad(k, kv_pad, d_pad), pad(v, kv_pad, dv_pad)
+
+    # Ranges and operands are explicit (integer, non-differentiable) arguments: a
+    # custom_vjp must not close over tracers, or `scan`/`jit` leak them into the bwd.
+    @jax.custom_vjp
+    def attend(qp, kp, vp, ranges, operands):
+        return _forward(st, build, qp, kp, vp, ranges["fwd"], operands)[0]
+
+    def attend_fwd(qp, kp, vp, ranges, operands):
+        o, lse = _forward(st, build, qp, kp, vp, ranges["fwd"], operands)
+        return o, (qp, kp, vp, o, lse, ranges, operands)
+
+    def attend_bwd(residuals, do):
+        qp, kp, vp, o, lse, ranges, operands = residuals
+        grads = _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
+        return (*grads, None, None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(qp, kp, vp, ranges, operands)[:, : call.q_len, :, : call.v_dim]
+
+
+# Spec names the kernels cannot evaluate per tile, with the reason.
+_NOT_IN_KERNEL = {
+    "dense": "a dense mask cannot be evaluated per tile; use structured masks or MaskFn",
+    "dense_bias": "a dense bias cannot be evaluated per tile; use a score_mod function",
+    "relative_position": "RelativePosition (table lookup) is not in the kernel yet",
+    "alibi": "ALiBi slopes need parameter gradients, not in the kernel yet (use a ScoreFn "
+    "with constant slopes)",
+    "head_scale": "HeadScale needs parameter gradients, not in the kernel yet",
+}
+
+
+def _spec_names(spec) -> list[str]:
+    if not isinstance(spec, tuple) or not spec:
+        return []
+    names = [spec[0]] if isinstance(spec[0], str) else []
+    for item in spec[1:]:
+        names += _spec_names(item)
+    return names
+
+
+def _kernel_rule(call: AttentionCall) -> str | None:
+    for spec in (*call.mask_terms, call.score_mod):
+        for name in _spec_names(spec):
+            if name in _NOT_IN_KERNEL:
+                return _NOT_IN_KERNEL[name]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttention:
+    """The `"triton"` implementation: our Pallas Triton flash-attention kernels."""
+
+    name: str = "triton"
+    capabilities: AttentionCapabilities = AttentionCapabilities(
+        platforms=frozenset({"gpu", "cpu"}),
+        min_compute_capability="sm_80",
+        max_head_dim=256,
+        extra=(_kernel_rule,),
+    )
+
+    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        why = self.capabilities.check(call, device)
+        if why is not None:
+            return why
+        if not device.is_gpu and not (config is not None and config.interpret):
+            return (
+                "Pallas Triton needs a GPU; on the CPU pass "
+                "config=TritonAttentionConfig(interpret=True)"
+            )
+        return None
+
+    def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
+        return default_config(call, device)
+
+    def __call__(self, q, k, v, *, mask, score_mod, scale, config: TritonAttentionConfig):
+        return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)

@@ -1,0 +1,194 @@
+"""The Pallas Triton kernels in interpret mode (CPU) against the float32 oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _attention_cases import MASKS, loss_and_grads, make_qkv
+from _tolerance import assert_close
+from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels.reference import attention as reference
+from probjax_eqx.kernels.triton import attention as triton_attention
+from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+CFG = TritonAttentionConfig(
+    block_q=16,
+    block_k=16,
+    block_q_dkv=16,
+    block_k_dkv=16,
+    block_q_dq=16,
+    block_k_dq=16,
+    interpret=True,
+)
+
+
+def run_triton(q, k, v, mask=None, score_mod=None, config=CFG):
+    return flex_attention(
+        q, k, v, mask=mask, score_mod=score_mod, implementation="triton", config=config
+    )
+
+
+def check_against_oracle(q, k, v, ct, mask=None, score_mod=None, config=CFG, tf32=False):
+    dtype = q.dtype
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    oracle = lambda q, k, v: reference.attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,  # noqa: E731
+        scale=scale,
+    )
+    f = lambda q, k, v: run_triton(q, k, v, mask, score_mod, config)  # noqa: E731
+    out = f(q, k, v)
+    assert out.dtype == dtype and np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert_close(out, oracle(*up), dtype, tf32=tf32)
+    _, grads = loss_and_grads(f, q, k, v, ct)
+    _, ref_grads = loss_and_grads(oracle, *up, ct)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, grad=True, tf32=tf32, err_msg=f"d{name}")
+    return out, grads
+
+
+@pytest.mark.parametrize("name", sorted(set(MASKS)))
+def test_masks_fwd_and_grads(getkey, name):
+    q, k, v = make_qkv(getkey(), v_dim=12)
+    ct = jax.random.normal(getkey(), (2, 7, 4, 12))
+    check_against_oracle(q, k, v, ct, MASKS[name])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit(getkey, dtype):
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=33, dtype=dtype)
+    ct = jax.random.normal(getkey(), (2, 20, 4, 16))
+    check_against_oracle(
+        q, k, v, ct, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([30, 9]))
+    )
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(48, 100), (100, 48), (129, 17)])
+def test_unaligned_lengths_and_head_dims(getkey, q_len, kv_len):
+    q, k, v = make_qkv(
+        getkey(), batch=1, q_len=q_len, kv_len=kv_len, q_heads=2, kv_heads=1, qk_dim=24, v_dim=40
+    )
+    ct = jax.random.normal(getkey(), (1, q_len, 2, 40))
+    config = TritonAttentionConfig(
+        block_q=32,
+        block_k=32,
+        block_q_dkv=32,
+        block_k_dkv=32,
+        block_q_dq=32,
+        block_k_dq=32,
+        interpret=True,
+    )
+    check_against_oracle(q, k, v, ct, masks.Causal(), config=config)
+
+
+def test_score_mods_in_kernel(getkey):
+    q, k, v = make_qkv(getkey())
+    ct = jax.random.normal(getkey(), (2, 7, 4, 16))
+    mod = biases.Compose(
+        (
+            biases.ScoreFn(lambda s, b, h, qi, ki: s - 0.3 * jnp.abs(qi - ki).astype(s.dtype)),
+            biases.SoftCap(1.5),
+        )
+    )
+    check_against_oracle(q, k, v, ct, masks.Causal(), mod)
+    fn_mask = masks.MaskFn(lambda b, h, qi, ki: (qi + ki) % 3 != 0)
+    check_against_oracle(q, k, v, ct, fn_mask & masks.KVLengths(jnp.array([9, 2])))
+
+
+def test_empty_rows_give_zero_output_and_gradients(getkey):
+    q, k, v = make_qkv(getkey())
+    mask = masks.KVLengths(jnp.array([0, 9])) & masks.QLengths(jnp.array([7, 3]))
+    out, (dq, dk, dv) = check_against_oracle(q, k, v, jnp.ones((2, 7, 4, 16)), mask)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_array_equal(out[1, 3:], 0.0)
+    for g in (dq[0], dk[0], dv[0], dq[1, 3:]):
+        np.testing.assert_array_equal(g, 0.0)
+
+
+def test_bitwise_reruns_jit_vmap_and_scan(getkey):
+    q, k, v = make_qkv(getkey())
+    f = jax.jit(lambda q, k, v: run_triton(q, k, v, masks.Causal()))
+    np.testing.assert_array_equal(f(q, k, v), f(q, k, v))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), (q, k, v))
+    batched = jax.vmap(lambda q, k, v: run_triton(q, k, v, masks.Causal()))(*stacked)
+    np.testing.assert_allclose(batched[0], f(q, k, v), atol=1e-6)
+
+    def layers(q):
+        def body(x, _):
+            return run_triton(x, k, v, masks.Causal()), None
+
+        return jax.lax.scan(body, q, None, length=2)[0]
+
+    grad = jax.jit(jax.grad(lambda q: layers(q).sum()))(q)
+    expected = jax.grad(
+        lambda q: jax.lax.scan(
+            lambda x, _: (
+                reference.attention(x, k, v, mask=masks.Causal(), score_mod=None, scale=0.25),
+                None,
+            ),
+            q,
+            None,
+            length=2,
+        )[0].sum()
+    )(q)
+    assert_close(grad, expected, jnp.float32, grad=True)
+
+
+def test_unsupported_calls_raise_with_reason():
+    q, k, v = make_qkv(jax.random.key(0))
+    with pytest.raises(UnsupportedError, match="ALiBi slopes need parameter gradients"):
+        run_triton(q, k, v, score_mod=biases.ALiBi.from_num_heads(4))
+    with pytest.raises(UnsupportedError, match="dense mask cannot be evaluated per tile"):
+        run_triton(q, k, v, mask=masks.DenseMask(jnp.ones((1, 1, 7, 9), bool)))
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(UnsupportedError, match="interpret=True"):
+            dot_product_attention(q, k, v, implementation="triton")
+    with pytest.raises(ValueError, match="needs a pinned implementation|pass implementation="):
+        dot_product_attention(q, k, v, config=CFG)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_q=24 must be a power of two >= 16"):
+        TritonAttentionConfig(block_q=24)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        TritonAttentionConfig(num_warps=3)
+    with pytest.raises(Exception, match="triton_fused"):
+        TritonAttentionConfig(backward_pass_impl="triton_fused")  # type: ignore[arg-type]
+
+
+def test_tile_selection_fits_shared_memory():
+    from probjax_eqx.attention_call import AttentionCall
+
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    for dtype, d in (("bfloat16", 256), ("float32", 128), ("bfloat16", 64)):
+        call = AttentionCall(4, 4096, 4096, 8, 8, d, d, dtype)
+        cfg = triton_attention.default_config(call, h200)
+        itemsize = 4 if dtype == "float32" else 2
+        used = triton_attention.smem_bytes(cfg.block_q, cfg.block_k, d, d, itemsize, cfg.num_stages)
+        assert used <= 227 * 1024, (dtype, d, cfg)
+        assert not cfg.interpret
+    short = triton_attention.default_config(AttentionCall(1, 8, 20, 2, 2, 32, 32, "float32"), h200)
+    assert (short.block_q, short.block_k) == (16, 32)
+
+
+def test_causal_skips_tiles():
+    from probjax_eqx.attention_call import AttentionCall
+
+    call = AttentionCall(1, 64, 64, 1, 1, 16, 16, "float32", (("causal", "top_left"),))
+    st = triton_attention._Static(call, CFG, 0.25, 64, 64, (), 0)
+    lo, hi = triton_attention._block_ranges(
+        st, masks.Causal(), program_block=16, loop_block=16, kv_loop=True
+    )
+    np.testing.assert_array_equal(lo, [[0, 0, 0, 0]])
+    np.testing.assert_array_equal(hi, [[1, 2, 3, 4]])
+    lo, hi = triton_attention._block_ranges(
+        st, masks.KVLengths(20), program_block=16, loop_block=16, kv_loop=False
+    )
+    np.testing.assert_array_equal(hi, [[4, 4, 0, 0]])  # key tiles past the length: no work
