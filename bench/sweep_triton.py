@@ -1,0 +1,73 @@
+"""Sweep Triton attention tiles on one shape: `python -m bench.sweep_triton --out F`."""
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from bench.harness import classify, time_fn
+from probjax_eqx import dot_product_attention, masks
+from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+FWD = [
+    (128, 64, 8, 2),
+    (128, 128, 8, 2),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+    (128, 32, 4, 3),
+    (128, 64, 8, 3),
+    (64, 128, 4, 2),
+]
+BWD = [(64, 64, 4), (64, 64, 8), (32, 64, 4), (64, 128, 8), (128, 64, 8), (32, 32, 4)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+    args = parser.parse_args()
+    rows = []
+    for d in args.head_dim:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v = (jax.random.normal(kk, (4, args.seq, 8, d), jnp.bfloat16) for kk in keys[:3])
+        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        for causal in (False, True):
+            mask = masks.Causal() if causal else None
+            configs = [dict(block_q=a, block_k=b, num_warps=w, num_stages=s) for a, b, w, s in FWD]
+            configs += [
+                dict(block_q_dkv=a, block_k_dkv=b, block_q_dq=b, block_k_dq=a, num_warps_bwd=w)
+                for a, b, w in BWD
+            ]
+            for kwargs in configs:
+                cfg = TritonAttentionConfig(**kwargs)
+                f = lambda q, k, v, cfg=cfg: dot_product_attention(  # noqa: E731
+                    q, k, v, mask=mask, implementation="triton", config=cfg
+                )
+                row = dict(head_dim=d, causal=causal, config=kwargs, status="ok")
+                try:
+                    fwd = jax.jit(f)
+                    bwd = jax.jit(
+                        jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2))
+                    )
+                    row["fwd_ms"] = time_fn(lambda: fwd(q, k, v), jax.block_until_ready)
+                    row["fwd_bwd_ms"] = time_fn(lambda: bwd(q, k, v), jax.block_until_ready)
+                except Exception as e:  # noqa: BLE001
+                    row["status"], row["message"] = classify(e)
+                rows.append(row)
+                args.out.write_text(json.dumps({"rows": rows}, indent=1))
+                print(
+                    d,
+                    causal,
+                    kwargs,
+                    row.get("fwd_ms"),
+                    row.get("fwd_bwd_ms"),
+                    row["status"],
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
