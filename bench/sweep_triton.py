@@ -23,6 +23,27 @@ FWD = [
 BWD = [(64, 64, 4), (64, 64, 8), (32, 64, 4), (64, 128, 8), (128, 64, 8), (32, 32, 4)]
 
 
+def _configs():
+    out = [dict(block_q=a, block_k=b, num_warps=w, num_stages=s) for a, b, w, s in FWD]
+    out += [
+        dict(block_q_dkv=a, block_k_dkv=b, block_q_dq=b, block_k_dq=a, num_warps_bwd=w)
+        for a, b, w in BWD
+    ]
+    return out
+
+
+def _measure(q, k, v, ct, mask, cfg):
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, mask=mask, implementation="triton", config=cfg)
+
+    fwd = jax.jit(f)
+    bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))
+    return dict(
+        fwd_ms=time_fn(lambda: fwd(q, k, v), jax.block_until_ready),
+        fwd_bwd_ms=time_fn(lambda: bwd(q, k, v), jax.block_until_ready),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -36,25 +57,11 @@ def main():
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         for causal in (False, True):
             mask = masks.Causal() if causal else None
-            configs = [dict(block_q=a, block_k=b, num_warps=w, num_stages=s) for a, b, w, s in FWD]
-            configs += [
-                dict(block_q_dkv=a, block_k_dkv=b, block_q_dq=b, block_k_dq=a, num_warps_bwd=w)
-                for a, b, w in BWD
-            ]
-            for kwargs in configs:
-                cfg = TritonAttentionConfig(**kwargs)
-                f = lambda q, k, v, cfg=cfg: dot_product_attention(  # noqa: E731
-                    q, k, v, mask=mask, implementation="triton", config=cfg
-                )
-                row = dict(head_dim=d, causal=causal, config=kwargs, status="ok")
+            for kwargs in _configs():
+                row = dict(seq=args.seq, head_dim=d, causal=causal, config=kwargs, status="ok")
                 try:
-                    fwd = jax.jit(f)
-                    bwd = jax.jit(
-                        jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2))
-                    )
-                    row["fwd_ms"] = time_fn(lambda: fwd(q, k, v), jax.block_until_ready)
-                    row["fwd_bwd_ms"] = time_fn(lambda: bwd(q, k, v), jax.block_until_ready)
-                except Exception as e:  # noqa: BLE001
+                    row.update(_measure(q, k, v, ct, mask, TritonAttentionConfig(**kwargs)))
+                except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)
                 rows.append(row)
                 args.out.write_text(json.dumps({"rows": rows}, indent=1))
