@@ -6,7 +6,7 @@ import pytest
 from jax.test_util import check_grads
 
 from _attention_cases import MASKS, loss_and_grads, make_qkv, numpy_attention
-from _tolerance import assert_close
+from _check import check_against_oracle, oracle
 from probjax_eqx import (
     UnsupportedError,
     biases,
@@ -17,14 +17,6 @@ from probjax_eqx import (
 )
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels.reference import attention as reference
-
-
-def oracle(q, k, v, mask=None, score_mod=None, scale=None):
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    return reference.attention(
-        q, k, v, mask=mask, score_mod=score_mod, scale=float(scale), oracle=True
-    )
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
@@ -43,15 +35,8 @@ def test_xla_matches_oracle_fwd_and_grads(getkey, dtype, name):
     q, k, v = make_qkv(getkey(), dtype=dtype)
     mask = MASKS[name]
     ct = jax.random.normal(getkey(), (2, 7, 4, 16))
-    f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla")  # noqa: E731
-    g = lambda q, k, v: oracle(q, k, v, mask)  # noqa: E731
-    val, grads = loss_and_grads(f, q, k, v, ct)
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref_val, ref_grads = loss_and_grads(g, *up, ct)
-    assert_close(f(q, k, v), g(*up), dtype)
-    for name_, a, b in zip("qkv", grads, ref_grads):
-        assert a.dtype == dtype
-        assert_close(a, b, dtype, grad=True, err_msg=f"d{name_}")
+    f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
 def test_rows_without_valid_keys_are_zero_with_zero_grads(getkey):

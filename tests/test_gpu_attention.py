@@ -6,17 +6,15 @@ import numpy as np
 import pytest
 
 from _attention_cases import loss_and_grads, make_qkv
+from _check import check_against_oracle, oracle
 from _tolerance import assert_close
 from probjax_eqx import dot_product_attention, explain_attention, masks
-from probjax_eqx.kernels.reference import attention as reference
 
 pytestmark = pytest.mark.gpu
 
 
-def _oracle(q, k, v, mask):
-    return reference.attention(
-        q, k, v, mask=mask, score_mod=None, scale=1.0 / np.sqrt(q.shape[-1]), oracle=True
-    )
+def pinned(name, mask):
+    return lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=name)
 
 
 CUDNN_CASES = {
@@ -39,17 +37,7 @@ def test_cudnn_matches_oracle(getkey, name, dtype):
         getkey(), batch=2, q_len=lq, kv_len=lkv, q_heads=8, kv_heads=2, qk_dim=64, dtype=dtype
     )
     ct = jax.random.normal(getkey(), (2, lq, 8, 64))
-    f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="cudnn")  # noqa: E731
-    g = lambda q, k, v: _oracle(q, k, v, mask)  # noqa: E731
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    out = jax.jit(f)(q, k, v)
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    assert_close(out, g(*up), dtype)
-    _, grads = jax.jit(lambda *a: loss_and_grads(f, *a, ct))(q, k, v)
-    _, ref_grads = loss_and_grads(g, *up, ct)
-    for label, a, b in zip("qkv", grads, ref_grads):
-        assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{label} not finite"
-        assert_close(a, b, dtype, grad=True, err_msg=f"d{label}")
+    check_against_oracle(pinned("cudnn", mask), q, k, v, ct, mask=mask, jit=True)
 
 
 def test_auto_picks_cudnn_on_sm90():
@@ -58,19 +46,15 @@ def test_auto_picks_cudnn_on_sm90():
         pytest.skip("not an sm_90 device")
     q, k, v = make_qkv(jax.random.key(0), q_len=128, kv_len=128, qk_dim=64, dtype=jnp.bfloat16)
     assert explain_attention(q, k, v, mask=masks.Causal()).kernel == "cudnn"
-    assert (
-        explain_attention(
-            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
-        ).kernel
-        == "xla"
-    )
+    seg = masks.Segments(jnp.zeros((2, 128), jnp.int32))
+    assert explain_attention(q, k, v, mask=seg).kernel == "triton"
 
 
 @pytest.mark.float32_matmul
 def test_xla_float32_is_exact_on_gpu(getkey):
     q, k, v = make_qkv(getkey(), q_len=64, kv_len=80)
     out = dot_product_attention(q, k, v, mask=masks.Causal(), implementation="xla")
-    assert_close(out, _oracle(q, k, v, masks.Causal()), jnp.float32)
+    assert_close(out, oracle(q, k, v, masks.Causal()), jnp.float32)
 
 
 TRITON_CASES = {
@@ -97,14 +81,7 @@ def test_triton_matches_oracle_on_gpu(getkey, name, head_dim):
         dtype=jnp.bfloat16,
     )
     ct = jax.random.normal(getkey(), q.shape)
-    f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="triton")  # noqa: E731
-    g = lambda q, k, v: _oracle(q, k, v, mask)  # noqa: E731
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    assert_close(jax.jit(f)(q, k, v), g(*up), jnp.bfloat16)
-    _, grads = jax.jit(lambda *a: loss_and_grads(f, *a, ct))(q, k, v)
-    _, ref_grads = loss_and_grads(g, *up, ct)
-    for label, a, b in zip("qkv", grads, ref_grads):
-        assert_close(a, b, jnp.bfloat16, grad=True, err_msg=f"d{label}")
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
 
 
 @pytest.mark.parametrize(
@@ -123,14 +100,7 @@ def test_triton_large_head_dims_and_fp32(getkey, dtype, head_dim, q_len):
     )
     ct = jax.random.normal(getkey(), q.shape)
     mask = masks.Causal("bottom_right")
-    f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="triton")  # noqa: E731
-    g = lambda q, k, v: _oracle(q, k, v, mask)  # noqa: E731
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    assert_close(jax.jit(f)(q, k, v), g(*up), dtype, tf32=True)
-    _, grads = jax.jit(lambda *a: loss_and_grads(f, *a, ct))(q, k, v)
-    _, ref_grads = loss_and_grads(g, *up, ct)
-    for label, a, b in zip("qkv", grads, ref_grads):
-        assert_close(a, b, dtype, grad=True, tf32=True, err_msg=f"d{label}")
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, tf32=True, jit=True)
 
 
 def test_triton_agrees_with_cudnn(getkey):
@@ -146,12 +116,12 @@ def test_triton_agrees_with_cudnn(getkey):
     )
     mask = masks.Causal() & masks.KVLengths(jnp.array([512, 300]))
     ct = jax.random.normal(getkey(), q.shape)
-    outs = {}
+    results = []
     for name in ("triton", "cudnn"):
-        f = lambda q, k, v, name=name: dot_product_attention(
-            q, k, v, mask=mask, implementation=name
-        )  # noqa: E731
-        outs[name] = jax.jit(lambda *a, f=f: (f(*a), loss_and_grads(f, *a, ct)[1]))(q, k, v)
-    for a, b in zip(jax.tree.leaves(outs["triton"]), jax.tree.leaves(outs["cudnn"])):
-        diff = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        assert diff <= 0.004 * max(1.0, float(jnp.max(jnp.abs(b.astype(jnp.float32))))), diff
+        f = pinned(name, mask)
+        results.append(
+            jax.jit(lambda q, k, v, f=f: (f(q, k, v), loss_and_grads(f, q, k, v, ct)[1]))(q, k, v)
+        )
+    for a, b in zip(*(jax.tree.leaves(r) for r in results)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.max(np.abs(a - b)) <= 0.004 * max(1.0, np.max(np.abs(b)))

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _attention_cases import MASKS, loss_and_grads, make_qkv
+from _attention_cases import MASKS, make_qkv
+from _check import check_against_oracle
 from _tolerance import assert_close
 from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
 from probjax_eqx.backends import DeviceInfo
@@ -30,44 +31,23 @@ def run_triton(q, k, v, mask=None, score_mod=None, config=CFG):
     )
 
 
-def check_against_oracle(q, k, v, ct, mask=None, score_mod=None, config=CFG, tf32=False):
-    dtype = q.dtype
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    oracle = lambda q, k, v: reference.attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        score_mod=score_mod,  # noqa: E731
-        scale=scale,
-    )
-    f = lambda q, k, v: run_triton(q, k, v, mask, score_mod, config)  # noqa: E731
-    out = f(q, k, v)
-    assert out.dtype == dtype and np.all(np.isfinite(np.asarray(out, np.float32)))
-    assert_close(out, oracle(*up), dtype, tf32=tf32)
-    _, grads = loss_and_grads(f, q, k, v, ct)
-    _, ref_grads = loss_and_grads(oracle, *up, ct)
-    for name, a, b in zip("qkv", grads, ref_grads):
-        assert a.dtype == dtype
-        assert_close(a, b, dtype, grad=True, tf32=tf32, err_msg=f"d{name}")
-    return out, grads
+def check(q, k, v, ct, mask=None, score_mod=None, config=CFG):
+    f = lambda q, k, v: run_triton(q, k, v, mask, score_mod, config)
+    return check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=score_mod)
 
 
 @pytest.mark.parametrize("name", sorted(set(MASKS)))
 def test_masks_fwd_and_grads(getkey, name):
     q, k, v = make_qkv(getkey(), v_dim=12)
     ct = jax.random.normal(getkey(), (2, 7, 4, 12))
-    check_against_oracle(q, k, v, ct, MASKS[name])
+    check(q, k, v, ct, MASKS[name])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16_bit(getkey, dtype):
     q, k, v = make_qkv(getkey(), q_len=20, kv_len=33, dtype=dtype)
     ct = jax.random.normal(getkey(), (2, 20, 4, 16))
-    check_against_oracle(
-        q, k, v, ct, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([30, 9]))
-    )
+    check(q, k, v, ct, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([30, 9])))
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(48, 100), (100, 48), (129, 17)])
@@ -85,7 +65,7 @@ def test_unaligned_lengths_and_head_dims(getkey, q_len, kv_len):
         block_k_dq=32,
         interpret=True,
     )
-    check_against_oracle(q, k, v, ct, masks.Causal(), config=config)
+    check(q, k, v, ct, masks.Causal(), config=config)
 
 
 def test_score_mods_in_kernel(getkey):
@@ -97,15 +77,15 @@ def test_score_mods_in_kernel(getkey):
             biases.SoftCap(1.5),
         )
     )
-    check_against_oracle(q, k, v, ct, masks.Causal(), mod)
+    check(q, k, v, ct, masks.Causal(), mod)
     fn_mask = masks.MaskFn(lambda b, h, qi, ki: (qi + ki) % 3 != 0)
-    check_against_oracle(q, k, v, ct, fn_mask & masks.KVLengths(jnp.array([9, 2])))
+    check(q, k, v, ct, fn_mask & masks.KVLengths(jnp.array([9, 2])))
 
 
 def test_empty_rows_give_zero_output_and_gradients(getkey):
     q, k, v = make_qkv(getkey())
     mask = masks.KVLengths(jnp.array([0, 9])) & masks.QLengths(jnp.array([7, 3]))
-    out, (dq, dk, dv) = check_against_oracle(q, k, v, jnp.ones((2, 7, 4, 16)), mask)
+    out, (dq, dk, dv) = check(q, k, v, jnp.ones((2, 7, 4, 16)), mask)
     np.testing.assert_array_equal(out[0], 0.0)
     np.testing.assert_array_equal(out[1, 3:], 0.0)
     for g in (dq[0], dk[0], dv[0], dq[1, 3:]):

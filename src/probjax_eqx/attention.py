@@ -98,29 +98,24 @@ def _describe(q, k, v, mask, score_mod) -> AttentionCall:
     return AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
 
 
-def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
+def _select(q, k, v, mask, score_mod, implementation, config):
+    """Canonicalise a call and select its implementation: `(mask, score_mod, call, choice)`."""
     mask, score_mod = _as_mask(mask), _as_score_mod(score_mod)
     call = _describe(q, k, v, mask, score_mod)
-    backend = (
-        implementation
-        if isinstance(implementation, Backend)
-        else resolve("attention", implementation)
-    )
-    choice = backend.select(call, config)
+    if not isinstance(implementation, Backend):
+        implementation = resolve("attention", implementation)
+    return mask, score_mod, call, implementation.select(call, config)
+
+
+def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
+    mask, score_mod, call, choice = _select(q, k, v, mask, score_mod, implementation, config)
     scale = 1.0 / math.sqrt(call.qk_dim) if scale is None else float(scale)
     impl = _IMPLEMENTATIONS[choice.kernel]
     return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
 
 
 def _explain(q, k, v, mask, score_mod, implementation, config) -> Choice:
-    mask, score_mod = _as_mask(mask), _as_score_mod(score_mod)
-    call = _describe(q, k, v, mask, score_mod)
-    backend = (
-        implementation
-        if isinstance(implementation, Backend)
-        else resolve("attention", implementation)
-    )
-    return backend.select(call, config)
+    return _select(q, k, v, mask, score_mod, implementation, config)[3]
 
 
 def _bias_to_score_mod(bias: object) -> AbstractScoreMod | None:

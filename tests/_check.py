@@ -1,0 +1,33 @@
+"""The one comparison of an attention implementation against the float32 oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _attention_cases import loss_and_grads
+from _tolerance import assert_close
+from probjax_eqx.kernels.reference import attention as reference
+
+
+def oracle(q, k, v, mask=None, score_mod=None, scale=None):
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    return reference.attention(q, k, v, mask=mask, score_mod=score_mod, scale=float(scale))
+
+
+def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=False, jit=False):
+    """Compare `f(q, k, v)` and its VJP with cotangent `ct` to the oracle; return both."""
+    dtype = q.dtype
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    g = lambda q, k, v: oracle(q, k, v, mask, score_mod)
+    out = (jax.jit(f) if jit else f)(q, k, v)
+    assert out.dtype == dtype and np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert_close(out, g(*up), dtype, tf32=tf32)
+    vjp = lambda *a: loss_and_grads(f, *a, ct)
+    _, grads = (jax.jit(vjp) if jit else vjp)(q, k, v)
+    _, ref_grads = loss_and_grads(g, *up, ct)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert a.dtype == dtype
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{name} not finite"
+        assert_close(a, b, dtype, grad=True, tf32=tf32, err_msg=f"d{name}")
+    return out, grads
