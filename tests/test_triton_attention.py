@@ -1,5 +1,7 @@
 """The Pallas Triton kernels in interpret mode (CPU) against the float32 oracle."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,14 @@ import pytest
 from _attention_cases import MASKS, make_qkv
 from _check import check_against_oracle
 from _tolerance import assert_close
-from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx import (
+    UnsupportedError,
+    biases,
+    dot_product_attention,
+    explain_attention,
+    flex_attention,
+    masks,
+)
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels.reference import attention as reference
 from probjax_eqx.kernels.triton import attention as triton_attention
@@ -139,8 +148,8 @@ def test_config_validation():
         TritonAttentionConfig(block_q=24)
     with pytest.raises(ValueError, match="num_warps=3"):
         TritonAttentionConfig(num_warps=3)
-    with pytest.raises(Exception, match="triton_fused"):
-        TritonAttentionConfig(backward_pass_impl="triton_fused")  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="triton_joint"):
+        TritonAttentionConfig(backward_pass_impl="triton_joint")  # type: ignore[arg-type]
 
 
 def test_tile_selection_fits_shared_memory():
@@ -172,3 +181,47 @@ def test_causal_skips_tiles():
         st, masks.KVLengths(20), program_block=16, loop_block=16, kv_loop=False
     )
     np.testing.assert_array_equal(hi, [[4, 4, 0, 0]])  # key tiles past the length: no work
+
+
+FUSED = dataclasses.replace(CFG, backward_pass_impl="triton_fused")
+
+
+FUSED_MASKS = {
+    "causal_bottom_right": masks.Causal("bottom_right"),
+    "segments": masks.Segments(
+        jnp.array([[0] * 9 + [1] * 11] * 2), jnp.array([[0] * 15 + [1] * 22] * 2), sorted=True
+    ),
+    "or_not": (masks.Causal() | masks.BlockDiagonal(4)) & ~masks.KVLengths(jnp.array([3, 0])),
+    "q_and_kv_lengths": masks.QLengths(jnp.array([20, 5])) & masks.KVLengths(jnp.array([0, 30])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_MASKS))
+def test_fused_backward(getkey, name):
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=37, v_dim=12)
+    ct = jax.random.normal(getkey(), (2, 20, 4, 12))
+    mask = FUSED_MASKS[name]
+    choice = explain_attention(q, k, v, mask=mask, implementation="triton", config=FUSED)
+    assert choice.config.backward_pass_impl == "triton_fused"
+    check(q, k, v, ct, mask, config=FUSED)
+
+
+def test_backward_rule():
+    from probjax_eqx.attention_call import AttentionCall
+
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    a100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
+    square = AttentionCall(1, 2048, 2048, 8, 8, 64, 64, "bfloat16")
+    skewed = AttentionCall(1, 256, 16384, 8, 8, 64, 64, "bfloat16")
+    resolve = triton_attention.resolve_backward
+    assert resolve(CFG, square, h200).backward_pass_impl == "triton_split"
+    assert resolve(CFG, square, a100).backward_pass_impl == "triton_fused"
+    assert resolve(CFG, skewed, a100).backward_pass_impl == "triton_split"
+    # An explicit fused request on 256 x 16384 keeps its tiles and runs split.
+    resolved = resolve(FUSED, skewed, h200)
+    assert resolved.backward_pass_impl == "triton_split" and resolved.block_q_dkv == 16
+    assert triton_attention.default_config(square, h200).backward_pass_impl == "triton_split"
+    with pytest.raises(TypeError, match="takes a TritonAttentionConfig"):
+        dot_product_attention(
+            *make_qkv(jax.random.key(0)), implementation="triton", config=object()
+        )

@@ -209,6 +209,8 @@ class Backend:
             if why is None:
                 if config is None:
                     config = impl.default_config(call, self.device)
+                elif hasattr(impl, "resolve_config"):  # fill an explicit config's "auto" fields
+                    config = impl.resolve_config(config, call, self.device)  # pyright: ignore
                 if self.pinned:
                     reason = "requested by name"
                 else:

@@ -54,7 +54,10 @@ class TritonAttentionConfig:
         num_warps: warps per forward program.
         num_warps_bwd: warps per backward program.
         num_stages: software pipelining depth.
-        backward_pass_impl: `"auto"` or `"triton_split"` (dK/dV and dQ kernels).
+        backward_pass_impl: `"triton_split"` (a dK/dV kernel and a dQ kernel),
+            `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds) or
+            `"auto"` (`BACKWARD_RULES`). A fused request on lengths more than 4x apart
+            runs split, so that no tile shrinks below 16 rows.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
@@ -67,7 +70,7 @@ class TritonAttentionConfig:
     num_warps: int = 4
     num_warps_bwd: int = 4
     num_stages: int = 2
-    backward_pass_impl: Literal["auto", "triton_split"] = "auto"
+    backward_pass_impl: Literal["auto", "triton_split", "triton_fused"] = "auto"
     interpret: bool = False
 
     def __post_init__(self):
@@ -87,10 +90,10 @@ class TritonAttentionConfig:
                 raise ValueError(f"{field}={getattr(self, field)} must be 1, 2, 4, 8 or 16")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.backward_pass_impl not in ("auto", "triton_split"):
+        if self.backward_pass_impl not in ("auto", "triton_split", "triton_fused"):
             raise ValueError(
-                f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto' or "
-                "'triton_split' (the fused backward is not in this release)"
+                f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto', "
+                "'triton_split' or 'triton_fused'"
             )
 
 
@@ -103,6 +106,27 @@ def smem_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int, stage
     return itemsize * (
         block_q * _padded_dim(d) + stages * block_k * (_padded_dim(d) + _padded_dim(dv))
     )
+
+
+# How "auto" picks the backward, per registry entry: Hopper runs split (the dQ atomics of
+# the fused kernel contend); elsewhere fused when the lengths are balanced.
+BACKWARD_RULES = {"sm_90": "triton_split", "generic": "fused_if_balanced"}
+
+
+def _balanced(call: AttentionCall) -> bool:
+    short, long = sorted((call.q_len, call.kv_len))
+    return short >= _MIN_BLOCK and long <= 4 * short
+
+
+def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device: DeviceInfo):
+    """Replace `"auto"` (and an unbalanced fused request) by the backward that will run."""
+    impl = config.backward_pass_impl
+    if impl == "auto":
+        rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
+        impl = "triton_split" if rule == "triton_split" else "triton_fused"
+    if impl == "triton_fused" and not _balanced(call):
+        impl = "triton_split"
+    return dataclasses.replace(config, backward_pass_impl=impl)
 
 
 def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
@@ -123,7 +147,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
     block_q, block_k = fit(block_q, call.q_len), fit(block_k, call.kv_len)
     bwd = 64 if d <= 64 or itemsize == 2 else 32
-    return TritonAttentionConfig(
+    config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
         block_q_dkv=fit(bwd, call.q_len),
@@ -135,6 +159,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         num_stages=stages,
         interpret=not device.is_gpu,
     )
+    return resolve_backward(config, call, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +260,9 @@ def _dkv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
 ):
     n_ops = len(st.kinds)
-    op_refs, (dk_ref, dv_ref) = refs[:n_ops], refs[n_ops:]
+    fused = st.config.backward_pass_impl == "triton_fused"
+    op_refs, outs = refs[:n_ops], refs[n_ops + fused :]
+    dk_ref, dv_ref = outs[:2]
     j, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dkv, st.config.block_k_dkv
     k, v = k_ref[...], v_ref[...]
@@ -254,6 +281,11 @@ def _dkv_kernel(
         dp = plt.dot(do, v, trans_b=True)
         ds = p * (dp - delta_ref[tile][:, None]) * slope
         dk = dk + plt.dot(ds.astype(q.dtype), q, trans_a=True)
+        if fused:  # every key tile adds its share of dQ
+            dq_ref = outs[2]
+            plt.atomic_add(
+                dq_ref, (tile, pl.ds(0, dq_ref.shape[1])), plt.dot(ds.astype(k.dtype), k)
+            )
         return dk, dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
@@ -381,7 +413,11 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     params = plt.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages)
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-    dk, dv_ = pl.pallas_call(
+    fused = cfg.backward_pass_impl == "triton_fused"
+    dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
+    dq_acc = [jnp.zeros(q.shape, jnp.float32)] if fused else []
+    n_in = 8 + len(operands)
+    outs = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, build=build),
         grid=(st.kv_pad // bk, heads, batch),
         in_specs=[
@@ -395,22 +431,29 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             *_operand_specs(
                 st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
             ),
+            *[dq_spec] * fused,
         ],
         out_specs=[
             pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0)),
             pl.BlockSpec((None, bk, None, dv), lambda j, h, b: (b, j, h, 0)),
+            *[dq_spec] * fused,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, d), jnp.float32),
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, dv), jnp.float32),
+            *[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * fused,
         ],
+        input_output_aliases={n_in: 2} if fused else {},
         compiler_params=params,
         interpret=cfg.interpret,
-        name="probjax_attention_triton_bwd_dkv",
-    )(q, k, v, do, lse, delta, *dkv_ranges, *operands)
+        name="probjax_attention_triton_bwd_fused" if fused else "probjax_attention_triton_bwd_dkv",
+    )(q, k, v, do, lse, delta, *dkv_ranges, *operands, *dq_acc)
+    dk, dv_ = outs[:2]
     # Per-query-head dK/dV, summed over the query heads sharing a KV head.
     dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
     dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
+    if fused:
+        return outs[2].astype(q.dtype), dk, dv_
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
@@ -529,6 +572,10 @@ class TritonAttention:
     )
 
     def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        if config is not None and not isinstance(config, TritonAttentionConfig):
+            raise TypeError(
+                f"implementation='triton' takes a TritonAttentionConfig, got {config!r}"
+            )
         why = self.capabilities.check(call, device)
         if why is not None:
             return why
@@ -541,6 +588,9 @@ class TritonAttention:
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
         return default_config(call, device)
+
+    def resolve_config(self, config, call: AttentionCall, device: DeviceInfo):
+        return resolve_backward(config, call, device)
 
     def __call__(self, q, k, v, *, mask, score_mod, scale, config: TritonAttentionConfig):
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
