@@ -125,3 +125,43 @@ def test_triton_agrees_with_cudnn(getkey):
     for a, b in zip(*(jax.tree.leaves(r) for r in results)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 0.004 * max(1.0, np.max(np.abs(b)))
+
+
+def test_triton_fused_backward_and_alibi_on_gpu(getkey):
+    from probjax_eqx import biases
+    from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+    q, k, v = make_qkv(
+        getkey(),
+        batch=2,
+        q_len=640,
+        kv_len=700,
+        q_heads=8,
+        kv_heads=2,
+        qk_dim=64,
+        dtype=jnp.bfloat16,
+    )
+    ct = jax.random.normal(getkey(), q.shape)
+    mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([700, 333]))
+    fused = TritonAttentionConfig(backward_pass_impl="triton_fused")
+    f = lambda q, k, v: dot_product_attention(
+        q, k, v, mask=mask, implementation="triton", config=fused
+    )
+    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    slopes = jnp.asarray(biases.alibi_slopes(8))
+
+    def loss(attend, slopes):
+        return jnp.sum(attend(q, k, v, bias=biases.ALiBi(slopes)).astype(jnp.float32) * ct)
+
+    got = jax.jit(
+        jax.grad(
+            lambda s: loss(
+                lambda *a, **kw: dot_product_attention(
+                    *a, mask=mask, implementation="triton", **kw
+                ),
+                s,
+            )
+        )
+    )(slopes)
+    want = jax.grad(lambda s: loss(lambda q, k, v, bias: oracle(q, k, v, mask, bias), s))(slopes)
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(want))))

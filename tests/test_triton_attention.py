@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import MASKS, make_qkv
-from _check import check_against_oracle
+from _check import check_against_oracle, oracle
 from _tolerance import assert_close
 from probjax_eqx import (
     UnsupportedError,
@@ -132,8 +132,11 @@ def test_bitwise_reruns_jit_vmap_and_scan(getkey):
 
 def test_unsupported_calls_raise_with_reason():
     q, k, v = make_qkv(jax.random.key(0))
-    with pytest.raises(UnsupportedError, match="ALiBi slopes need parameter gradients"):
-        run_triton(q, k, v, score_mod=biases.ALiBi.from_num_heads(4))
+    table = biases.RelativePosition(jnp.zeros((4, 8)))
+    with pytest.raises(
+        UnsupportedError, match="RelativePosition .table lookup. is not in the kernel"
+    ):
+        run_triton(q, k, v, score_mod=table)
     with pytest.raises(UnsupportedError, match="dense mask cannot be evaluated per tile"):
         run_triton(q, k, v, mask=masks.DenseMask(jnp.ones((1, 1, 7, 9), bool)))
     if jax.devices()[0].platform == "cpu":
@@ -225,3 +228,27 @@ def test_backward_rule():
         dot_product_attention(
             *make_qkv(jax.random.key(0)), implementation="triton", config=object()
         )
+
+
+def test_score_mod_parameter_gradients(getkey):
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=37)
+    ct = jax.random.normal(getkey(), (2, 20, 4, 16))
+    mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([37, 11]))
+    slopes = jnp.asarray(biases.alibi_slopes(4))
+    scales = jax.random.uniform(getkey(), (4,), minval=0.5, maxval=2.0)
+
+    def loss(attend, slopes, scales, q):
+        mod = biases.Compose((biases.ALiBi(slopes), biases.HeadScale(scales), biases.SoftCap(3.0)))
+        return jnp.sum(attend(q, k, v, mask, mod) * ct)
+
+    fused = lambda q, k, v, m, s: run_triton(q, k, v, m, s, FUSED)
+    grads = jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(slopes, scales, q)
+    oracle_fn = lambda q, k, v, m, s: oracle(q, k, v, m, s)
+    expected = jax.grad(lambda *a: loss(oracle_fn, *a), argnums=(0, 1, 2))(slopes, scales, q)
+    for a, b in zip(grads, expected):
+        assert_close(a, b, jnp.float32, grad=True)
+    # Parameter gradients live in the dQ kernel, so a fused request runs split.
+    choice = explain_attention(
+        q, k, v, mask=mask, score_mod=biases.ALiBi(slopes), implementation="triton", config=FUSED
+    )
+    assert choice.config.backward_pass_impl == "triton_split"

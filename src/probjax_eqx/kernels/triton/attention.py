@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
-from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.backends import DeviceInfo, UnsupportedError
 from probjax_eqx.kernels import _tiles
 from probjax_eqx.masks import MaskContext
 
@@ -124,7 +124,9 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
     if impl == "auto":
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
         impl = "triton_split" if rule == "triton_split" else "triton_fused"
-    if impl == "triton_fused" and not _balanced(call):
+    # Score-mod parameter gradients are accumulated in the dQ kernel of the split backward.
+    parametric = any(n in _PARAMETRIC for s in (call.score_mod,) for n in _spec_names(s))
+    if impl == "triton_fused" and (parametric or not _balanced(call)):
         impl = "triton_split"
     return dataclasses.replace(config, backward_pass_impl=impl)
 
@@ -173,6 +175,7 @@ class _Static:
     kv_pad: int
     kinds: tuple[str, ...]
     n_mask_ops: int
+    param_slots: tuple[int, ...] = ()  # float per-head operands: their gradients are computed
 
     @property
     def ctx(self) -> MaskContext:
@@ -294,31 +297,54 @@ def _dkv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+_PARAM_LANES = 16  # per-program parameter gradients are stored as one 16-wide row
+
+
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
 ):
     n_ops = len(st.kinds)
-    op_refs, (dq_ref,) = refs[:n_ops], refs[n_ops:]
+    op_refs, (dq_ref, *dparam_ref) = refs[:n_ops], refs[n_ops:]
     i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dq, st.config.block_k_dq
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
 
-    def body(j, dq):
+    def body(j, carry):
+        dq, dparams = carry
         start = pl.multiple_of(j * bk, bk)
         tile = pl.ds(start, bk)
-        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        values = _load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile)
+        mask, mod = build(values)
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         k = k_ref[tile, :]
-        s, slope = _tile_scores(plt.dot(q, k, trans_b=True), st, mask, mod, b, h, q_idx, kv_idx)
+        raw = plt.dot(q, k, trans_b=True)
+        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx)
         p = jnp.exp2(s - lse)
         dp = plt.dot(do, v_ref[tile, :], trans_b=True)
-        ds = p * (dp - delta) * slope
-        return dq + plt.dot(ds.astype(k.dtype), k)
+        d_modded = p * (dp - delta)
+        if st.param_slots:  # d(loss)/d(score-mod parameters) of this tile, by its VJP
 
-    dq = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, jnp.zeros(dq_ref.shape, jnp.float32))
+            def scores_of(params):
+                vals = list(values)
+                for slot, param in zip(st.param_slots, params):
+                    vals[slot] = param
+                return build(vals)[1](raw * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
+
+            _, pullback = jax.vjp(scores_of, tuple(values[s] for s in st.param_slots))
+            dparams = tuple(a + g for a, g in zip(dparams, pullback(d_modded)[0]))
+        return dq + plt.dot((d_modded * slope).astype(k.dtype), k), dparams
+
+    init = (jnp.zeros(dq_ref.shape, jnp.float32), tuple(jnp.float32(0.0) for _ in st.param_slots))
+    dq, dparams = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
     dq_ref[...] = dq.astype(dq_ref.dtype)
+    if dparam_ref:
+        lanes = jnp.arange(_PARAM_LANES, dtype=jnp.int32)
+        row = jnp.zeros((_PARAM_LANES,), jnp.float32)
+        for n, g in enumerate(dparams):
+            row = row + jnp.where(lanes == n, g, 0.0)
+        dparam_ref[0][...] = row
 
 
 def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_loop: bool):
@@ -453,9 +479,10 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
     dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
     if fused:
-        return outs[2].astype(q.dtype), dk, dv_
+        return outs[2].astype(q.dtype), dk, dv_, (None,) * len(operands)
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    dq = pl.pallas_call(
+    has_params = bool(st.param_slots)
+    outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
         grid=(st.q_pad // bq, heads, batch),
         in_specs=[
@@ -470,13 +497,27 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
                 st.kinds, seq_role="q_pos", block=bq, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
             ),
         ],
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=[
+            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
+            *[pl.BlockSpec((None, None, None, _PARAM_LANES), lambda i, h, b: (b, h, i, 0))]
+            * has_params,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            *[jax.ShapeDtypeStruct((batch, heads, st.q_pad // bq, _PARAM_LANES), jnp.float32)]
+            * has_params,
+        ],
         compiler_params=params,
         interpret=cfg.interpret,
         name="probjax_attention_triton_bwd_dq",
     )(q, k, v, do, lse, delta, *dq_ranges, *operands)
-    return dq, dk, dv_
+    dq = outs[0]
+    dops: list = [None] * len(operands)
+    if has_params:
+        per_head = outs[1].sum(axis=(0, 2))  # [heads, lanes]
+        for n, slot in enumerate(st.param_slots):
+            dops[slot] = per_head[:, n].astype(operands[slot].dtype)
+    return dq, dk, dv_, tuple(dops)
 
 
 def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
@@ -491,7 +532,17 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     mod_ops, mod_kinds, rebuild_mod = _tiles.split(
         score_mod, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
     )
-    st = _Static(call, cfg, scale, q_pad, kv_pad, tuple(mask_kinds + mod_kinds), len(mask_ops))
+    kinds = tuple(mask_kinds + mod_kinds)
+    param_slots = tuple(
+        n
+        for n, (kind, x) in enumerate(zip(kinds, mask_ops + mod_ops))
+        if kind == "head" and jnp.issubdtype(x.dtype, jnp.floating)
+    )
+    if len(param_slots) > _PARAM_LANES:
+        raise UnsupportedError("triton", f"at most {_PARAM_LANES} score-mod parameter arrays")
+    if param_slots and cfg.backward_pass_impl != "triton_split":
+        raise ValueError("score-mod parameter gradients need backward_pass_impl='triton_split'")
+    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots)
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = {
@@ -524,21 +575,21 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
 
     def attend_bwd(residuals, do):
         qp, kp, vp, o, lse, ranges, operands = residuals
-        grads = _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
-        return (*grads, None, None)
+        *grads, doperands = _backward(
+            st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands
+        )
+        return (*grads, None, doperands)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(qp, kp, vp, ranges, operands)[:, : call.q_len, :, : call.v_dim]
 
 
+_PARAMETRIC = frozenset({"alibi", "head_scale"})
 # Spec names the kernels cannot evaluate per tile, with the reason.
 _NOT_IN_KERNEL = {
     "dense": "a dense mask cannot be evaluated per tile; use structured masks or MaskFn",
     "dense_bias": "a dense bias cannot be evaluated per tile; use a score_mod function",
     "relative_position": "RelativePosition (table lookup) is not in the kernel yet",
-    "alibi": "ALiBi slopes need parameter gradients, not in the kernel yet (use a ScoreFn "
-    "with constant slopes)",
-    "head_scale": "HeadScale needs parameter gradients, not in the kernel yet",
 }
 
 
