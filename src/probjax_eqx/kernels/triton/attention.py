@@ -372,7 +372,7 @@ def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_
     return lo_blk, hi_blk
 
 
-def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, head_axis: int):
+def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int):
     """BlockSpecs for the mask operands, for a grid (tile, head, batch)."""
     specs = []
     for kind in kinds:
@@ -385,7 +385,6 @@ def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int,
         else:  # the looped axis: the whole row, sliced per step
             n = q_pad if kind == "q_pos" else kv_pad
             specs.append(pl.BlockSpec((None, n), lambda t, h, b: (b, 0)))
-    del head_axis
     return specs
 
 
@@ -409,7 +408,6 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
             block=cfg.block_q,
             q_pad=st.q_pad,
             kv_pad=st.kv_pad,
-            head_axis=1,
         ),
     ]
     out_specs = [
@@ -455,7 +453,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             pl.BlockSpec((None, None, st.q_pad), lambda j, h, b: (b, h, 0)),
             *_range_specs(),
             *_operand_specs(
-                st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
+                st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad
             ),
             *[dq_spec] * fused,
         ],
@@ -493,9 +491,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
             pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
             *_range_specs(),
-            *_operand_specs(
-                st.kinds, seq_role="q_pos", block=bq, q_pad=st.q_pad, kv_pad=st.kv_pad, head_axis=1
-            ),
+            *_operand_specs(st.kinds, seq_role="q_pos", block=bq, q_pad=st.q_pad, kv_pad=st.kv_pad),
         ],
         out_specs=[
             pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
