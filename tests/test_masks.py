@@ -126,6 +126,15 @@ def test_dense_and_tile_bounds_match_brute_force(case, data):
         assert 0 <= lo <= hi <= q_len
         cols = expected[b, :, kv_lo:kv_hi]
         assert not cols[:lo].any() and not cols[hi:].any(), (b, lo, hi)
+        # Full ranges are sound: every pair inside them is valid.
+        lo, hi = (
+            int(x) for x in mask.kv_full_range(ctx, jnp.int32(b), jnp.int32(q_lo), jnp.int32(q_hi))
+        )
+        assert 0 <= lo and hi <= kv_len and rows[:, lo:hi].all(), (b, lo, hi)
+        lo, hi = (
+            int(x) for x in mask.q_full_range(ctx, jnp.int32(b), jnp.int32(kv_lo), jnp.int32(kv_hi))
+        )
+        assert 0 <= lo and hi <= q_len and cols[lo:hi].all(), (b, lo, hi)
 
 
 def test_bounds_are_tight_for_structured_masks():
@@ -147,6 +156,22 @@ def test_bounds_are_tight_for_structured_masks():
         16,
         64,
     ]
+
+
+def test_full_ranges_are_tight_for_structured_masks():
+    ctx = masks.MaskContext(1, 64, 64)
+    b = jnp.int32(0)
+
+    def kv_full(mask, lo, hi):
+        return [int(x) for x in mask.kv_full_range(ctx, b, jnp.int32(lo), jnp.int32(hi))]
+
+    assert kv_full(masks.Causal(), 16, 32) == [0, 17]
+    assert kv_full(masks.causal_local_window(8), 32, 34) == [26, 33]
+    assert kv_full(masks.Causal() & masks.KVLengths(jnp.array([10])), 16, 32) == [0, 10]
+    seg = masks.Segments(jnp.repeat(jnp.arange(4), 16)[None], sorted=True)
+    assert kv_full(seg, 16, 32) == [16, 32]
+    assert kv_full(seg, 8, 24)[1] <= kv_full(seg, 8, 24)[0]  # two segments: nothing
+    assert kv_full(masks.MaskFn(lambda b, h, q, kv: q >= kv), 0, 8) == [0, 0]
 
 
 def test_causal_local_window_equals_causal_and_window():

@@ -78,6 +78,21 @@ class AbstractMask(eqx.Module):
     def spec(self) -> tuple:
         """Hashable static structure, read by capability checks."""
 
+    def kv_full_range(
+        self, ctx: MaskContext, b: Array, q_lo: Array, q_hi: Array
+    ) -> tuple[Array, Array]:
+        """Bounds `[lo, hi)` of keys valid for every query in `[q_lo, q_hi)` (may be empty).
+
+        Kernels skip evaluating the mask on tiles inside it. The default claims nothing.
+        """
+        return _nothing()
+
+    def q_full_range(
+        self, ctx: MaskContext, b: Array, kv_lo: Array, kv_hi: Array
+    ) -> tuple[Array, Array]:
+        """Bounds `[lo, hi)` of queries valid for every key in `[kv_lo, kv_hi)` (may be empty)."""
+        return _nothing()
+
     def dense(self, batch: int, q_len: int, kv_len: int, num_heads: int = 1) -> Bool[Array, "..."]:
         """The mask as a `[batch, num_heads, q_len, kv_len]` boolean array."""
         ctx = MaskContext(batch, q_len, kv_len)
@@ -112,6 +127,10 @@ def _all_queries(ctx: MaskContext) -> tuple[Array, Array]:
     return jnp.int32(0), jnp.int32(ctx.q_len)
 
 
+def _nothing() -> tuple[Array, Array]:
+    return jnp.int32(0), jnp.int32(0)
+
+
 def _clip(lo: Array, hi: Array, n: int) -> tuple[Array, Array]:
     lo = jnp.clip(jnp.asarray(lo, jnp.int32), 0, n)
     hi = jnp.clip(jnp.asarray(hi, jnp.int32), 0, n)
@@ -131,6 +150,12 @@ class Causal(AbstractMask):
 
     def q_range(self, ctx, b, kv_lo, kv_hi):
         return _clip(kv_lo - ctx.offset(self.alignment), jnp.int32(ctx.q_len), ctx.q_len)
+
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        return _clip(jnp.int32(0), q_lo + ctx.offset(self.alignment) + 1, ctx.kv_len)
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        return _clip(kv_hi - 1 - ctx.offset(self.alignment), jnp.int32(ctx.q_len), ctx.q_len)
 
     def spec(self):
         return ("causal", self.alignment)
@@ -174,6 +199,18 @@ class LocalWindow(AbstractMask):
         hi = jnp.int32(ctx.q_len) if self.left is None else kv_hi - off + self.left
         return _clip(lo, hi, ctx.q_len)
 
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        off = ctx.offset(self.alignment)
+        lo = jnp.int32(0) if self.left is None else q_hi - 1 + off - self.left
+        hi = jnp.int32(ctx.kv_len) if self.right is None else q_lo + off + self.right + 1
+        return _clip(lo, hi, ctx.kv_len)
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        off = ctx.offset(self.alignment)
+        lo = jnp.int32(0) if self.right is None else kv_hi - 1 - self.right - off
+        hi = jnp.int32(ctx.q_len) if self.left is None else kv_lo + self.left - off + 1
+        return _clip(lo, hi, ctx.q_len)
+
     def spec(self):
         return ("local_window", self.left, self.right, self.alignment)
 
@@ -202,6 +239,15 @@ class PrefixLM(AbstractMask):
     def q_range(self, ctx, b, kv_lo, kv_hi):
         prefix = _per_batch(self.prefix_length, b)
         return _clip(jnp.where(kv_lo < prefix, 0, kv_lo), jnp.int32(ctx.q_len), ctx.q_len)
+
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        prefix = _per_batch(self.prefix_length, b)
+        return _clip(jnp.int32(0), jnp.maximum(q_lo + 1, prefix), ctx.kv_len)
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        prefix = _per_batch(self.prefix_length, b)
+        lo = jnp.where(kv_hi <= prefix, 0, kv_hi - 1)
+        return _clip(lo, jnp.int32(ctx.q_len), ctx.q_len)
 
     def spec(self):
         return ("prefix_lm",)
@@ -234,6 +280,16 @@ class BlockDiagonal(AbstractMask):
         last = (jnp.maximum(kv_hi, kv_lo + 1) - 1) // self.kv_block
         return _clip(first * self.q_block, (last + 1) * self.q_block, ctx.q_len)
 
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        first, last = q_lo // self.q_block, (q_hi - 1) // self.q_block
+        hi = jnp.where(first == last, (first + 1) * self.kv_block, 0)
+        return _clip(first * self.kv_block, hi, ctx.kv_len)
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        first, last = kv_lo // self.kv_block, (kv_hi - 1) // self.kv_block
+        hi = jnp.where(first == last, (first + 1) * self.q_block, 0)
+        return _clip(first * self.q_block, hi, ctx.q_len)
+
     def spec(self):
         return ("block_diagonal", self.q_block, self.kv_block)
 
@@ -254,6 +310,12 @@ class KVLengths(AbstractMask):
 
     def q_range(self, ctx, b, kv_lo, kv_hi):
         hi = jnp.where(kv_lo < _per_batch(self.lengths, b), ctx.q_len, 0)
+        return _clip(jnp.int32(0), hi, ctx.q_len)
+
+    kv_full_range = kv_range
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        hi = jnp.where(kv_hi <= _per_batch(self.lengths, b), ctx.q_len, 0)
         return _clip(jnp.int32(0), hi, ctx.q_len)
 
     def spec(self):
@@ -277,6 +339,12 @@ class QLengths(AbstractMask):
 
     def q_range(self, ctx, b, kv_lo, kv_hi):
         return _clip(jnp.int32(0), _per_batch(self.lengths, b), ctx.q_len)
+
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        hi = jnp.where(q_hi <= _per_batch(self.lengths, b), ctx.kv_len, 0)
+        return _clip(jnp.int32(0), hi, ctx.kv_len)
+
+    q_full_range = q_range
 
     def spec(self):
         return ("q_lengths",)
@@ -330,6 +398,23 @@ class Segments(AbstractMask):
         lo = jnp.searchsorted(q_ids, kv_ids[jnp.clip(kv_lo, 0, ctx.kv_len - 1)], side="left")
         hi = jnp.searchsorted(q_ids, kv_ids[last], side="right")
         return _clip(lo, hi, ctx.q_len)
+
+    def _one_segment(self, ids, other, lo, hi, n, n_other):
+        """Where `ids[lo:hi]` is one segment: the positions of that id in `other`."""
+        if not self.sorted:
+            return _nothing()
+        first, last = ids[jnp.clip(lo, 0, n - 1)], ids[jnp.clip(hi - 1, 0, n - 1)]
+        start = jnp.searchsorted(other, first, side="left")
+        end = jnp.where(first == last, jnp.searchsorted(other, first, side="right"), 0)
+        return _clip(start, end, n_other)
+
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        q_ids, kv_ids = self._ids(self.q_segment_ids, b), self._ids(self.kv_segment_ids, b)
+        return self._one_segment(q_ids, kv_ids, q_lo, q_hi, ctx.q_len, ctx.kv_len)
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        q_ids, kv_ids = self._ids(self.q_segment_ids, b), self._ids(self.kv_segment_ids, b)
+        return self._one_segment(kv_ids, q_ids, kv_lo, kv_hi, ctx.kv_len, ctx.q_len)
 
     def spec(self):
         return ("segments", self.sorted)
@@ -399,6 +484,18 @@ class And(AbstractMask):
         lo = jnp.maximum(lo1, lo2)
         return lo, jnp.maximum(jnp.minimum(hi1, hi2), lo)
 
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        return _meet(
+            self.left.kv_full_range(ctx, b, q_lo, q_hi),
+            self.right.kv_full_range(ctx, b, q_lo, q_hi),
+        )
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        return _meet(
+            self.left.q_full_range(ctx, b, kv_lo, kv_hi),
+            self.right.q_full_range(ctx, b, kv_lo, kv_hi),
+        )
+
     def spec(self):
         return ("and", self.left.spec(), self.right.spec())
 
@@ -422,8 +519,31 @@ class Or(AbstractMask):
             self.left.q_range(ctx, b, kv_lo, kv_hi), self.right.q_range(ctx, b, kv_lo, kv_hi)
         )
 
+    def kv_full_range(self, ctx, b, q_lo, q_hi):
+        return _wider(
+            self.left.kv_full_range(ctx, b, q_lo, q_hi),
+            self.right.kv_full_range(ctx, b, q_lo, q_hi),
+        )
+
+    def q_full_range(self, ctx, b, kv_lo, kv_hi):
+        return _wider(
+            self.left.q_full_range(ctx, b, kv_lo, kv_hi),
+            self.right.q_full_range(ctx, b, kv_lo, kv_hi),
+        )
+
     def spec(self):
         return ("or", self.left.spec(), self.right.spec())
+
+
+def _meet(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+    lo = jnp.maximum(a[0], b[0])
+    return lo, jnp.maximum(jnp.minimum(a[1], b[1]), lo)
+
+
+def _wider(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+    """Either interval is fully valid under a union; keep the wider (no hull: gaps)."""
+    pick_a = a[1] - a[0] >= b[1] - b[0]
+    return jnp.where(pick_a, a[0], b[0]), jnp.where(pick_a, a[1], b[1])
 
 
 def _hull(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:

@@ -53,7 +53,8 @@ class TritonAttentionConfig:
         block_k_dq: keys per loop step of the dQ kernel.
         num_warps: warps per forward program.
         num_warps_bwd: warps per backward program.
-        num_stages: software pipelining depth.
+        num_stages: software pipelining depth of the forward.
+        num_stages_bwd: software pipelining depth of the backward.
         backward_pass_impl: `"triton_split"` (a dK/dV kernel and a dQ kernel),
             `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds) or
             `"auto"` (`BACKWARD_RULES`). A fused request on lengths more than 4x apart
@@ -70,6 +71,7 @@ class TritonAttentionConfig:
     num_warps: int = 4
     num_warps_bwd: int = 4
     num_stages: int = 2
+    num_stages_bwd: int = 2
     backward_pass_impl: Literal["auto", "triton_split", "triton_fused"] = "auto"
     interpret: bool = False
 
@@ -88,8 +90,9 @@ class TritonAttentionConfig:
         for field in ("num_warps", "num_warps_bwd"):
             if getattr(self, field) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{field}={getattr(self, field)} must be 1, 2, 4, 8 or 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        for field in ("num_stages", "num_stages_bwd"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         if self.backward_pass_impl not in ("auto", "triton_split", "triton_fused"):
             raise ValueError(
                 f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto', "
@@ -186,21 +189,37 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _tile_scores(s, st: _Static, mask, mod, b, h, q_idx, kv_idx):
-    """Scores in log2 units (masked to -inf) and d(score)/d(q.k) for the backward."""
+def _tile_scores(s, st: _Static, mask, mod, b, h, q_idx, kv_idx, *, masked: bool):
+    """Scores in log2 units and d(score)/d(q.k) for the backward.
 
-    def modded(raw):
-        x = raw * st.scale
-        return x if mod is None else mod(x, b, h, q_idx, kv_idx).astype(jnp.float32)
-
+    `masked=False` is for tiles inside the mask's full range: nothing to evaluate.
+    """
     if mod is None:
-        scores, slope = modded(s), st.scale
+        scores, slope = s * (st.scale * LOG2E), st.scale
     else:
+
+        def modded(raw):
+            return mod(raw * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
+
         scores, slope = jax.jvp(modded, (s,), (jnp.ones_like(s),))
+        scores = scores * LOG2E
+    if not masked:
+        return scores, slope
     valid = kv_idx < st.call.kv_len
     if mask is not None:
         valid = valid & mask.predicate(st.ctx, b, h, q_idx, kv_idx)
-    return jnp.where(valid, scores * LOG2E, -jnp.inf), slope
+    return jnp.where(valid, scores, -jnp.inf), slope
+
+
+def _tile_loop(range_refs, body, init):
+    """Run `body(step, carry, masked)` over the tiles `[lo, hi)` of the range refs.
+
+    The tiles in `[full_lo, full_hi)` are valid throughout and skip mask evaluation.
+    """
+    lo, full_lo, full_hi, hi = (ref[()] for ref in range_refs)
+    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def _rebuilders(st: _Static, rebuild_mask, rebuild_mod):
@@ -223,22 +242,23 @@ def _load_operands(refs, kinds, *, q_tile, kv_tile):
     return values
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, st: _Static, build):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
+    range_refs, refs = refs[:4], refs[4:]
     op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
     i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q, st.config.block_k
     q = q_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
 
-    def body(j, carry):
+    def body(j, carry, masked):
         acc, m, denom = carry
         start = pl.multiple_of(j * bk, bk)
         tile = pl.ds(start, bk)
         mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         s = plt.dot(q, k_ref[tile, :], trans_b=True)
-        s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx)
+        s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -252,17 +272,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, *refs, st: _Static, build):
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    acc, m, denom = _tile_loop(range_refs, body, init)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
 
 
-def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
-):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
+    range_refs, refs = refs[:4], refs[4:]
     fused = st.config.backward_pass_impl == "triton_fused"
     op_refs, outs = refs[:n_ops], refs[n_ops + fused :]
     dk_ref, dv_ref = outs[:2]
@@ -271,14 +290,15 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
 
-    def body(i, carry):
+    def body(i, carry, masked):
         dk, dv = carry
         start = pl.multiple_of(i * bq, bq)
         tile = pl.ds(start, bq)
         mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=tile, kv_tile=None))
         q, do = q_ref[tile, :], do_ref[tile, :]
         q_idx = start + jnp.arange(bq, dtype=jnp.int32)[:, None]
-        s, slope = _tile_scores(plt.dot(q, k, trans_b=True), st, mask, mod, b, h, q_idx, kv_idx)
+        raw = plt.dot(q, k, trans_b=True)
+        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
         p = jnp.exp2(s - lse_ref[tile][:, None])
         dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True)
         dp = plt.dot(do, v, trans_b=True)
@@ -292,7 +312,7 @@ def _dkv_kernel(
         return dk, dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk, dv = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    dk, dv = _tile_loop(range_refs, body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -300,10 +320,9 @@ def _dkv_kernel(
 _PARAM_LANES = 16  # per-program parameter gradients are stored as one 16-wide row
 
 
-def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *refs, st: _Static, build
-):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
+    range_refs, refs = refs[:4], refs[4:]
     op_refs, (dq_ref, *dparam_ref) = refs[:n_ops], refs[n_ops:]
     i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dq, st.config.block_k_dq
@@ -311,7 +330,7 @@ def _dq_kernel(
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
 
-    def body(j, carry):
+    def body(j, carry, masked):
         dq, dparams = carry
         start = pl.multiple_of(j * bk, bk)
         tile = pl.ds(start, bk)
@@ -320,7 +339,7 @@ def _dq_kernel(
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         k = k_ref[tile, :]
         raw = plt.dot(q, k, trans_b=True)
-        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx)
+        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
         p = jnp.exp2(s - lse)
         dp = plt.dot(do, v_ref[tile, :], trans_b=True)
         d_modded = p * (dp - delta)
@@ -337,7 +356,7 @@ def _dq_kernel(
         return dq + plt.dot((d_modded * slope).astype(k.dtype), k), dparams
 
     init = (jnp.zeros(dq_ref.shape, jnp.float32), tuple(jnp.float32(0.0) for _ in st.param_slots))
-    dq, dparams = jax.lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    dq, dparams = _tile_loop(range_refs, body, init)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     if dparam_ref:
         lanes = jnp.arange(_PARAM_LANES, dtype=jnp.int32)
@@ -348,7 +367,11 @@ def _dq_kernel(
 
 
 def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_loop: bool):
-    """Per (batch, program tile): the half-open range of loop tiles a mask leaves non-empty."""
+    """Per (batch, program tile): loop tiles `lo <= full_lo <= full_hi <= hi`.
+
+    `[lo, hi)` holds every tile the mask leaves non-empty, `[full_lo, full_hi)` the tiles
+    it leaves entirely valid.
+    """
     ctx = st.ctx
     n_prog_real = ctx.q_len if kv_loop else ctx.kv_len
     n_loop_real = ctx.kv_len if kv_loop else ctx.q_len
@@ -358,18 +381,28 @@ def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_
 
     def one(b, lo, hi):
         if mask is None:
-            return jnp.int32(0), jnp.int32(n_loop_real)
+            everything = (jnp.int32(0), jnp.int32(n_loop_real))
+            return everything + everything
         bounds = mask.kv_range if kv_loop else mask.q_range
-        return bounds(ctx, b, lo, hi)
+        full = mask.kv_full_range if kv_loop else mask.q_full_range
+        return bounds(ctx, b, lo, hi) + full(ctx, b, lo, hi)
 
     b = jnp.arange(ctx.batch, dtype=jnp.int32)
-    lo, hi = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
-    lo = jnp.broadcast_to(lo, (ctx.batch, n_programs)).astype(jnp.int32)
-    hi = jnp.broadcast_to(hi, (ctx.batch, n_programs)).astype(jnp.int32)
+    out = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
+    lo, hi, full_lo, full_hi = (
+        jnp.broadcast_to(x, (ctx.batch, n_programs)).astype(jnp.int32) for x in out
+    )
     empty = (hi <= lo) | (starts >= n_prog_real)[None, :]
     lo_blk = jnp.where(empty, 0, lo // loop_block)
     hi_blk = jnp.where(empty, 0, -(-hi // loop_block))
-    return lo_blk, hi_blk
+    # Padded keys of a partial program tile need the mask's length check.
+    partial = ends < starts + program_block if not kv_loop else jnp.zeros_like(starts, bool)
+    full_lo_blk = jnp.clip(-(-full_lo // loop_block), lo_blk, hi_blk)
+    full_hi_blk = jnp.clip(full_hi // loop_block, full_lo_blk, hi_blk)
+    no_full = (full_hi_blk <= full_lo_blk) | partial[None, :]
+    full_lo_blk = jnp.where(no_full, hi_blk, full_lo_blk)
+    full_hi_blk = jnp.where(no_full, hi_blk, full_hi_blk)
+    return lo_blk, full_lo_blk, full_hi_blk, hi_blk
 
 
 def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int):
@@ -389,7 +422,7 @@ def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int)
 
 
 def _range_specs():
-    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t))] * 2
+    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t))] * 4
 
 
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
@@ -435,12 +468,12 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     batch, _, heads, d = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
-    params = plt.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages)
+    params = plt.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     fused = cfg.backward_pass_impl == "triton_fused"
     dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
     dq_acc = [jnp.zeros(q.shape, jnp.float32)] if fused else []
-    n_in = 8 + len(operands)
+    n_in = 6 + len(dkv_ranges) + len(operands)
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, build=build),
         grid=(st.kv_pad // bk, heads, batch),
