@@ -152,7 +152,7 @@ def test_transforms_jit_vmap_grad(getkey):
 
 def test_unsupported_and_unknown_implementations():
     q, k, v = make_qkv(jax.random.key(0))
-    with pytest.raises(UnsupportedError, match="implementation='mosaic'.*not in this release"):
+    with pytest.raises(UnsupportedError, match="implementation='mosaic'.*needs an sm_90 GPU"):
         dot_product_attention(q, k, v, implementation="mosaic")
     cpu_cudnn = resolve("attention", "cudnn", device=DeviceInfo("cpu", "cpu"), environ={})
     with pytest.raises(UnsupportedError, match="not on platform 'cpu'"):

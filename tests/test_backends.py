@@ -57,12 +57,20 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
-    # float32 is beyond cuDNN; the unreleased Mosaic kernel says so; Triton takes it.
+    # float32 is beyond cuDNN and the 16-bit Mosaic kernel; Triton takes it.
     choice = explain_attention(*shapes(jnp.float32), implementation=backend)
     assert choice.kernel == "triton"
     reasons = dict(choice.rejected)
     assert "dtype float32 not supported" in reasons["cudnn"]
-    assert "not in this release" in reasons["mosaic"]
+    assert "dtype float32 not supported" in reasons["mosaic"]
+    # Without cuDNN, Mosaic takes what it computes; segment ids go on to Triton.
+    no_cudnn = resolve("attention", device=H200, environ={"PROBJAX_ATTENTION_CUDNN": "0"})
+    choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=no_cudnn)
+    assert choice.kernel == "mosaic"
+    segments = masks.Segments(jnp.zeros((2, 128), jnp.int32), sorted=True)
+    choice = explain_attention(*shapes(), mask=segments, implementation=backend)
+    assert choice.kernel == "triton"
+    assert "segment ids are not in the Mosaic kernel" in dict(choice.rejected)["mosaic"]
     # A dense mask is beyond every kernel: only XLA computes it.
     dense = masks.DenseMask(jnp.ones((1, 1, 128, 128), bool))
     choice = explain_attention(*shapes(), mask=dense, implementation=backend)

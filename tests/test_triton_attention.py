@@ -19,6 +19,7 @@ from probjax_eqx import (
     masks,
 )
 from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels import _tiles
 from probjax_eqx.kernels.reference import attention as reference
 from probjax_eqx.kernels.triton import attention as triton_attention
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
@@ -171,20 +172,17 @@ def test_tile_selection_fits_shared_memory():
 
 
 def test_causal_skips_tiles_and_mask_work():
-    from probjax_eqx.attention_call import AttentionCall
-
-    call = AttentionCall(1, 64, 64, 1, 1, 16, 16, "float32", (("causal", "top_left"),))
-    st = triton_attention._Static(call, CFG, 0.25, 64, 64, (), 0)
-    lo, full_lo, full_hi, hi = triton_attention._block_ranges(
-        st, masks.Causal(), program_block=16, loop_block=16, kv_loop=True
+    ctx = masks.MaskContext(1, 64, 64)
+    lo, full_lo, full_hi, hi = _tiles.block_ranges(
+        ctx, masks.Causal(), 64, 64, program_block=16, loop_block=16
     )
     np.testing.assert_array_equal(lo, [[0, 0, 0, 0]])
     np.testing.assert_array_equal(hi, [[1, 2, 3, 4]])
     # Only the diagonal tile evaluates the mask (an empty full range sits at `hi`).
     np.testing.assert_array_equal(full_lo, [[1, 0, 0, 0]])
     np.testing.assert_array_equal(full_hi, [[1, 1, 2, 3]])
-    lo, full_lo, full_hi, hi = triton_attention._block_ranges(
-        st, masks.KVLengths(20), program_block=16, loop_block=16, kv_loop=False
+    lo, full_lo, full_hi, hi = _tiles.block_ranges(
+        ctx, masks.KVLengths(20), 64, 64, program_block=16, loop_block=16, kv_loop=False
     )
     np.testing.assert_array_equal(hi, [[4, 4, 0, 0]])  # key tiles past the length: no work
     # Keys 16..31 straddle the length: every query tile of that program is masked.

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
-from probjax_eqx.attention_call import AttentionCall, UnavailableAttention
+from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, Choice, register_op, resolve
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
+from probjax_eqx.kernels.mosaic.attention import MosaicAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention
 from probjax_eqx.kernels.triton.attention import TritonAttention
 from probjax_eqx.masks import AbstractMask, DenseMask, MaskFn
@@ -35,9 +36,7 @@ _IMPLEMENTATIONS = {
     "xla": XlaAttention(),
     "cudnn": CudnnAttention(),
     "triton": TritonAttention(),
-    "mosaic": UnavailableAttention(
-        "mosaic", "the Mosaic GPU flash-attention kernel is not in this release yet"
-    ),
+    "mosaic": MosaicAttention(),
 }
 register_op("attention", lambda: _IMPLEMENTATIONS)
 

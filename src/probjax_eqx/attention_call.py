@@ -132,22 +132,3 @@ class AttentionCapabilities:
             if why is not None:
                 return why
         return None
-
-
-@dataclasses.dataclass(frozen=True)
-class UnavailableAttention:
-    """A registered implementation whose kernel this build does not have.
-
-    Automatic selection records `reason` and moves on; a pinned request raises it.
-    """
-
-    name: str
-    reason: str
-
-    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
-        del call, device, config
-        return self.reason
-
-    def default_config(self, call: AttentionCall, device: DeviceInfo) -> None:
-        del call, device
-        return None

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from probjax_eqx import biases, masks
@@ -67,6 +68,16 @@ class _TileSegments(masks.AbstractMask):
 
     def spec(self):
         return ("tile_segments",)
+
+
+def spec_names(spec) -> list[str]:
+    """Every mask / score-mod name in a (nested) `spec()` tuple."""
+    if not isinstance(spec, tuple) or not spec:
+        return []
+    names = [spec[0]] if isinstance(spec[0], str) else []
+    for item in spec[1:]:
+        names += spec_names(item)
+    return names
 
 
 def unsupported_reason(tree: object) -> str | None:
@@ -137,3 +148,51 @@ def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int):
 
     rebuild = walk(tree)
     return operands, kinds, rebuild
+
+
+def block_ranges(
+    ctx: masks.MaskContext,
+    mask,
+    q_pad: int,
+    kv_pad: int,
+    *,
+    program_block: int,
+    loop_block: int,
+    kv_loop: bool = True,
+):
+    """Per (batch, program tile): loop tiles `lo <= full_lo <= full_hi <= hi`.
+
+    `[lo, hi)` holds every tile the mask leaves non-empty, `[full_lo, full_hi)` the tiles
+    it leaves entirely valid. Programs tile the queries (`kv_loop`, looping over key tiles)
+    or the keys (looping over query tiles).
+    """
+    n_prog_real = ctx.q_len if kv_loop else ctx.kv_len
+    n_loop_real = ctx.kv_len if kv_loop else ctx.q_len
+    n_programs = (q_pad if kv_loop else kv_pad) // program_block
+    starts = jnp.arange(n_programs, dtype=jnp.int32) * program_block
+    ends = jnp.minimum(starts + program_block, n_prog_real)
+
+    def one(b, lo, hi):
+        if mask is None:
+            everything = (jnp.int32(0), jnp.int32(n_loop_real))
+            return everything + everything
+        bounds = mask.kv_range if kv_loop else mask.q_range
+        full = mask.kv_full_range if kv_loop else mask.q_full_range
+        return bounds(ctx, b, lo, hi) + full(ctx, b, lo, hi)
+
+    b = jnp.arange(ctx.batch, dtype=jnp.int32)
+    out = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
+    lo, hi, full_lo, full_hi = (
+        jnp.broadcast_to(x, (ctx.batch, n_programs)).astype(jnp.int32) for x in out
+    )
+    empty = (hi <= lo) | (starts >= n_prog_real)[None, :]
+    lo_blk = jnp.where(empty, 0, lo // loop_block)
+    hi_blk = jnp.where(empty, 0, -(-hi // loop_block))
+    # Padded keys of a partial program tile need the mask's length check.
+    partial = ends < starts + program_block if not kv_loop else jnp.zeros_like(starts, bool)
+    full_lo_blk = jnp.clip(-(-full_lo // loop_block), lo_blk, hi_blk)
+    full_hi_blk = jnp.clip(full_hi // loop_block, full_lo_blk, hi_blk)
+    no_full = (full_hi_blk <= full_lo_blk) | partial[None, :]
+    full_lo_blk = jnp.where(no_full, hi_blk, full_lo_blk)
+    full_hi_blk = jnp.where(no_full, hi_blk, full_hi_blk)
+    return lo_blk, full_lo_blk, full_hi_blk, hi_blk

@@ -128,10 +128,13 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
         impl = "triton_split" if rule == "triton_split" else "triton_fused"
     # Score-mod parameter gradients are accumulated in the dQ kernel of the split backward.
-    parametric = any(n in _PARAMETRIC for s in (call.score_mod,) for n in _spec_names(s))
+    parametric = any(n in _PARAMETRIC for s in (call.score_mod,) for n in _tiles.spec_names(s))
     if impl == "triton_fused" and (parametric or not _balanced(call)):
         impl = "triton_split"
     return dataclasses.replace(config, backward_pass_impl=impl)
+
+
+_TILE_SKIPPING = frozenset({"causal", "local_window", "block_diagonal", "segments"})
 
 
 def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
@@ -139,7 +142,11 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     itemsize = 4 if call.dtype == "float32" else 2
     d = max(call.qk_dim, call.v_dim)
     limit = _SMEM_LIMIT.get(device.compute_capability or "", _SMEM_DEFAULT)
-    block_q, block_k, stages = 128, 64, 2 if d > 64 else 3
+    # Measured on the H200 at T=4096 (bench/results/h200_triton_sweep.json): 128x64 tiles,
+    # 8 warps, 3 stages for dense hd 128; masks that empty tiles (causal, windows) gain
+    # from finer 64x64 tiles with 4 warps.
+    fine = any(t[0] in _TILE_SKIPPING for t in call.mask_terms) and d > 64
+    block_q, block_k, stages = (64 if fine else 128), 64, 3
     while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
         if block_k > 32:
             block_k //= 2
@@ -159,8 +166,8 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         block_k_dkv=fit(bwd, call.kv_len),
         block_q_dq=fit(bwd, call.q_len),
         block_k_dq=fit(bwd, call.kv_len),
-        num_warps=4 if d <= 64 else 8,
-        num_warps_bwd=4 if d <= 64 else 8,
+        num_warps=4 if d <= 64 or fine else 8,
+        num_warps_bwd=4,
         num_stages=stages,
         interpret=not device.is_gpu,
     )
@@ -366,45 +373,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         dparam_ref[0][...] = row
 
 
-def _block_ranges(st: _Static, mask, *, program_block: int, loop_block: int, kv_loop: bool):
-    """Per (batch, program tile): loop tiles `lo <= full_lo <= full_hi <= hi`.
-
-    `[lo, hi)` holds every tile the mask leaves non-empty, `[full_lo, full_hi)` the tiles
-    it leaves entirely valid.
-    """
-    ctx = st.ctx
-    n_prog_real = ctx.q_len if kv_loop else ctx.kv_len
-    n_loop_real = ctx.kv_len if kv_loop else ctx.q_len
-    n_programs = (st.q_pad if kv_loop else st.kv_pad) // program_block
-    starts = jnp.arange(n_programs, dtype=jnp.int32) * program_block
-    ends = jnp.minimum(starts + program_block, n_prog_real)
-
-    def one(b, lo, hi):
-        if mask is None:
-            everything = (jnp.int32(0), jnp.int32(n_loop_real))
-            return everything + everything
-        bounds = mask.kv_range if kv_loop else mask.q_range
-        full = mask.kv_full_range if kv_loop else mask.q_full_range
-        return bounds(ctx, b, lo, hi) + full(ctx, b, lo, hi)
-
-    b = jnp.arange(ctx.batch, dtype=jnp.int32)
-    out = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
-    lo, hi, full_lo, full_hi = (
-        jnp.broadcast_to(x, (ctx.batch, n_programs)).astype(jnp.int32) for x in out
-    )
-    empty = (hi <= lo) | (starts >= n_prog_real)[None, :]
-    lo_blk = jnp.where(empty, 0, lo // loop_block)
-    hi_blk = jnp.where(empty, 0, -(-hi // loop_block))
-    # Padded keys of a partial program tile need the mask's length check.
-    partial = ends < starts + program_block if not kv_loop else jnp.zeros_like(starts, bool)
-    full_lo_blk = jnp.clip(-(-full_lo // loop_block), lo_blk, hi_blk)
-    full_hi_blk = jnp.clip(full_hi // loop_block, full_lo_blk, hi_blk)
-    no_full = (full_hi_blk <= full_lo_blk) | partial[None, :]
-    full_lo_blk = jnp.where(no_full, hi_blk, full_lo_blk)
-    full_hi_blk = jnp.where(no_full, hi_blk, full_hi_blk)
-    return lo_blk, full_lo_blk, full_hi_blk, hi_blk
-
-
 def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int):
     """BlockSpecs for the mask operands, for a grid (tile, head, batch)."""
     specs = []
@@ -575,14 +543,20 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = {
-        "fwd": _block_ranges(
-            st, mask, program_block=cfg.block_q, loop_block=cfg.block_k, kv_loop=True
+        "fwd": _tiles.block_ranges(
+            st.ctx, mask, q_pad, kv_pad, program_block=cfg.block_q, loop_block=cfg.block_k
         ),
-        "dq": _block_ranges(
-            st, mask, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq, kv_loop=True
+        "dq": _tiles.block_ranges(
+            st.ctx, mask, q_pad, kv_pad, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq
         ),
-        "dkv": _block_ranges(
-            st, mask, program_block=cfg.block_k_dkv, loop_block=cfg.block_q_dkv, kv_loop=False
+        "dkv": _tiles.block_ranges(
+            st.ctx,
+            mask,
+            q_pad,
+            kv_pad,
+            program_block=cfg.block_k_dkv,
+            loop_block=cfg.block_q_dkv,
+            kv_loop=False,
         ),
     }
     d_pad, dv_pad = _padded_dim(call.qk_dim), _padded_dim(call.v_dim)
@@ -622,18 +596,9 @@ _NOT_IN_KERNEL = {
 }
 
 
-def _spec_names(spec) -> list[str]:
-    if not isinstance(spec, tuple) or not spec:
-        return []
-    names = [spec[0]] if isinstance(spec[0], str) else []
-    for item in spec[1:]:
-        names += _spec_names(item)
-    return names
-
-
 def _kernel_rule(call: AttentionCall) -> str | None:
     for spec in (*call.mask_terms, call.score_mod):
-        for name in _spec_names(spec):
+        for name in _tiles.spec_names(spec):
             if name in _NOT_IN_KERNEL:
                 return _NOT_IN_KERNEL[name]
     return None

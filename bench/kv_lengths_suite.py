@@ -1,0 +1,85 @@
+"""KV-lengths suite: does time scale with the valid fraction of keys?
+
+Every batch element keeps `fraction * seq` keys (`masks.KVLengths`); kernels that skip
+key tiles past the length should take about `fraction` of the full time.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.attention_suite import BF16_FWD_ATOL, CHECK_ROWS
+from bench.harness import classify, time_fn
+from probjax_eqx import dot_product_attention, masks
+from probjax_eqx.kernels.reference import attention as reference
+
+FULL = dict(batch=[4], heads=[8], seq=[4096], head_dim=[128], fraction=[1.0, 0.5, 0.25])
+QUICK = dict(batch=[1], heads=[2], seq=[128], head_dim=[32], fraction=[1.0, 0.5])
+IMPLS = ("auto", "cudnn", "mosaic", "triton", "xla")
+
+
+def _measure(name, q, k, v, ct, mask, repeats):
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, mask=mask, implementation=name)
+
+    fwd = jax.jit(f)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * ct)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    out = np.asarray(fwd(q, k, v)[:, :CHECK_ROWS], np.float32)
+    fwd_ms = time_fn(lambda: fwd(q, k, v), jax.block_until_ready, repeats=repeats)
+    bwd_ms = time_fn(lambda: grad(q, k, v), jax.block_until_ready, repeats=repeats)
+    return out, fwd_ms, bwd_ms
+
+
+def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
+    grid = dict(QUICK if quick else FULL)
+    if seqs:
+        grid["seq"] = seqs
+    names = [n for n in IMPLS if only is None or f"probjax {n}" in only]
+    for b, h, t, d, fraction in itertools.product(*grid.values()):
+        keys = jax.random.split(jax.random.key(t + d), 4)
+        q, k, v = (
+            jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys[:3]
+        )
+        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        mask = masks.KVLengths(jnp.full((b,), int(fraction * t), jnp.int32))
+        expected = np.asarray(
+            reference.attention(
+                q[:, :CHECK_ROWS], k, v, mask=mask, score_mod=None, scale=d**-0.5, oracle=True
+            )
+        )
+        flops = 4.0 * b * h * t * t * d * fraction
+        for name in names:
+            row = dict(
+                base_row,
+                suite="kv_lengths",
+                implementation=f"probjax {name}",
+                peer=False,
+                shape=dict(batch=b, heads=h, seq=t, head_dim=d, kv_fraction=fraction),
+                dtype="bfloat16",
+                mask="kv_lengths",
+                flops_fwd=flops,
+                flops_fwd_bwd=3.5 * flops,
+                status="ok",
+                message="",
+            )
+            try:
+                out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
+                err = float(np.max(np.abs(out - expected)))
+                row.update(
+                    fwd_ms=fwd_ms,
+                    fwd_bwd_ms=bwd_ms,
+                    max_abs_err=err,
+                    tflops_fwd=flops / fwd_ms / 1e9,
+                    tflops_fwd_bwd=3.5 * flops / bwd_ms / 1e9,
+                )
+                if not np.isfinite(err) or err > BF16_FWD_ATOL:
+                    row.update(
+                        status="error", message=f"output differs from the reference: {err:.3g}"
+                    )
+            except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                row["status"], row["message"] = classify(e)
+            writer.add(row)
+            yield row

@@ -1,0 +1,32 @@
+"""The one place that imports Mosaic GPU names that moved or are private across jax versions.
+
+jax 0.10 has the interpreter only under `jax._src`; 0.11 exports it. Both keep
+`reset_gpu_interpret_mode_state` private: it must run after a failed interpreted kernel,
+or the next one trips over stale shared-memory state.
+"""
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:  # public since jax 0.11
+    from jax.experimental.pallas.mosaic_gpu import (  # pyright: ignore[reportAttributeAccessIssue]
+        InterpretGPUParams,
+    )
+except ImportError:  # jax 0.10
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state,
+    )
+except ImportError:  # pragma: no cover - only matters after an interpreter failure
+
+    def reset_gpu_interpret_mode_state():
+        pass
+
+
+JAX_011 = jax.__version_info__ >= (0, 11)
+# The default lowering semantics changed between versions: always name it.
+COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+__all__ = ["COMPILER_PARAMS", "JAX_011", "InterpretGPUParams", "reset_gpu_interpret_mode_state"]

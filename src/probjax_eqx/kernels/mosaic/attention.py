@@ -1,0 +1,665 @@
+"""Pallas Mosaic GPU flash attention for Hopper (`implementation="mosaic"`).
+
+Forward (FlashAttention-3 layout): a program owns `2 * block_q` query rows; two compute
+warpgroups each run the online softmax (base 2, float32) over 64-row halves with `wgmma`
+on shared-memory operands, while a third warpgroup streams K and V tiles with TMA into a
+`num_stages`-deep ring, released by per-slot "consumed" barriers. Backward: a dK/dV kernel
+(one program per key tile, looping over query tiles) and a dQ kernel (one program per
+query tile, looping over key tiles), each prefetching the next tile's operands with TMA
+while it computes the current one.
+
+`wgmma` reads its B operand untransposed from shared memory, so the wrapper passes the
+operands that appear transposed (K in QK^T, Q and dO in the dK/dV kernel, V in dP) as
+`[batch, heads, dim, seq]` copies: one XLA transpose each, instead of transposed shared
+memory views that jax 0.10's interpreter (our CPU CI) cannot run. For the same reason P
+and dS go through shared memory rather than registers.
+
+Masks run inside the kernels on the same tile ranges as the Triton kernels
+(`_tiles.block_ranges`): tiles a mask empties are neither loaded nor computed, tiles it
+leaves entirely valid skip mask evaluation, and a dK/dV program with no query tile stores
+zeros without running its pipeline. Rows without a valid key give zeros (log-sum-exp
++inf). Mask arrays must be per-batch or per-head scalars (KV/Q lengths, prefix lengths);
+segment ids and score mods are not in this kernel yet and are refused with that reason.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels import _tiles
+from probjax_eqx.kernels.mosaic._compat import (
+    COMPILER_PARAMS,
+    InterpretGPUParams,
+    reset_gpu_interpret_mode_state,
+)
+from probjax_eqx.masks import MaskContext
+
+LOG2E = math.log2(math.e)
+_WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
+_SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicAttentionConfig:
+    """Tiles of the Mosaic GPU kernels (all multiples of 64).
+
+    Attributes:
+        block_q: query rows per compute warpgroup in the forward (a program has two).
+        block_k: keys per forward step.
+        block_q_dkv: query rows per step of the dK/dV kernel.
+        block_k_dkv: keys per dK/dV program.
+        block_q_dq: query rows per dQ program.
+        block_k_dq: keys per step of the dQ kernel.
+        num_stages: depth of the TMA ring of every kernel.
+        interpret: run under the Mosaic GPU interpreter (CPU tests).
+    """
+
+    block_q: int = 64
+    block_k: int = 128
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+    num_stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        for field in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq", "block_k"):
+            value = getattr(self, field)
+            if value < _WG_ROWS or value % _WG_ROWS:
+                raise ValueError(f"{field}={value} must be a positive multiple of {_WG_ROWS}")
+        for field in ("block_q", "block_q_dkv", "block_q_dq"):
+            if getattr(self, field) != _WG_ROWS:
+                raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _dims(call: AttentionCall) -> tuple[int, int]:
+    return _round_up(call.qk_dim, _WG_ROWS), _round_up(call.v_dim, _WG_ROWS)
+
+
+def smem_bytes(cfg: MosaicAttentionConfig, d: int, dv: int) -> dict[str, int]:
+    """Shared memory of each kernel's program for padded head dims `d`, `dv` (16-bit)."""
+    s, bq, bk = cfg.num_stages, cfg.block_q, cfg.block_k
+    fwd = 2 * (2 * bq * d + 2 * bq * bk + s * bk * (d + dv) + (0 if d == dv else 2 * bq * dv))
+    fwd += 2 * bq * 4
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    dkv = 2 * (bk * (d + dv) + s * 2 * bq * (d + dv) + 2 * bk * bq) + s * 2 * bq * 4
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    dq = 2 * (bq * (d + dv) + s * bk * (2 * d + dv) + bq * bk) + 2 * bq * 4
+    return {"forward": fwd, "dkv": dkv, "dq": dq}
+
+
+def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
+    """Start from fwd 64x128, dK/dV 64x64, dQ 64x64; halve the forward keys if SMEM is short."""
+    d, dv = _dims(call)
+    cfg = MosaicAttentionConfig(interpret=not device.is_gpu)
+    if max(smem_bytes(cfg, d, dv).values()) > _SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, block_k=64)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    call: AttentionCall
+    config: MosaicAttentionConfig
+    scale: float
+    q_pad: int
+    kv_pad: int
+    d: int
+    dv: int
+    kinds: tuple[str, ...]
+
+    @property
+    def ctx(self) -> MaskContext:
+        return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
+
+
+def _swizzled(shape, dtype):
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    )
+
+
+def _mask_of(st: _Static, rebuild, op_refs, b, h):
+    values = [ref[b] if kind == "batch" else ref[h] for ref, kind in zip(op_refs, st.kinds)]
+    return rebuild(values)
+
+
+def _valid(st: _Static, mask, b, h, q_idx, kv_idx):
+    valid = kv_idx < st.call.kv_len
+    if mask is not None:
+        valid = valid & mask.predicate(st.ctx, b, h, q_idx, kv_idx)
+    return valid
+
+
+def _tile_loop(lo, full_lo, full_hi, hi, body, init):
+    """`body(step, carry, masked)` over `[lo, hi)`; `[full_lo, full_hi)` skips the mask."""
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+
+
+def _dot(a_smem, b_smem, shape):
+    """`a @ b` of two shared-memory tiles into float32 registers."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st, rebuild):
+    n_ops = len(st.kinds)
+    op_refs, (o_ref, lse_ref), scratch = refs[:n_ops], refs[n_ops : n_ops + 2], refs[n_ops + 2 :]
+    if st.d == st.dv:  # the output reuses the query buffer
+        q_smem, kt_smem, v_smem, p_smem, lse_smem, *bars = scratch
+        o_smem = q_smem
+    else:
+        q_smem, kt_smem, v_smem, p_smem, lse_smem, o_smem, *bars = scratch
+    q_bar, k_bar, v_bar, k_free, v_free = bars
+    cfg, dtype = st.config, q_ref.dtype
+    bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
+    t, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    lo, full_lo, full_hi, hi = lo_ref[b, t], flo_ref[b, t], fhi_ref[b, t], hi_ref[b, t]
+
+    @pl.when(wg < 2)
+    def _compute():
+        row0 = t * (2 * bq) + wg * bq
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[wg], q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        mask = _mask_of(st, rebuild, op_refs, b, h)
+        shape = (bq, bk)
+
+        def body(j, carry, masked):
+            acc, m, denom = carry
+            slot = lax.rem(j - lo, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape)
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * (st.scale * LOG2E)
+            if masked:
+                q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+                s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - _rows(m_safe, shape))
+            denom = denom * alpha + p.sum(axis=1)
+            acc = acc * _rows(alpha, acc.shape)
+            p_smem.at[wg][...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = acc + _dot(p_smem.at[wg], v_smem.at[slot], acc.shape)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, denom
+
+        init = (
+            jnp.zeros((bq, st.dv), jnp.float32),
+            jnp.full((bq,), -jnp.inf, jnp.float32),
+            jnp.zeros((bq,), jnp.float32),
+        )
+        acc, m, denom = _tile_loop(lo, full_lo, full_hi, hi, body, init)
+        empty = denom == 0.0
+        safe = jnp.where(empty, 1.0, denom)
+        out = o_smem.at[wg]
+        out[...] = (acc / _rows(safe, acc.shape)).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, o_ref.at[b, pl.ds(row0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        kv_h = lax.div(h, jnp.int32(st.call.groups))
+        count = hi - lo
+
+        def issue_k(n, slot):
+            tile = pl.ds((lo + n) * bk, bk)
+            plgpu.copy_gmem_to_smem(kt_ref.at[b, kv_h, :, tile], kt_smem.at[slot], k_bar.at[slot])
+
+        def issue_v(n, slot):
+            tile = pl.ds((lo + n) * bk, bk)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, tile, kv_h], v_smem.at[slot], v_bar.at[slot])
+
+        for n in range(stages):
+
+            @pl.when(n < count)
+            def _(n=n):
+                issue_k(n, n)
+                issue_v(n, n)
+
+        @pl.loop(stages, jnp.maximum(count, stages))
+        def _(n):
+            slot = lax.rem(n, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            issue_k(n, slot)
+            plgpu.barrier_wait(v_free.at[slot])
+            issue_v(n, slot)
+
+        # Observe the releases of the last steps, whose slots are not refilled.
+        @pl.loop(jnp.maximum(count - stages, 0), count)
+        def _(n):
+            slot = lax.rem(n, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
+    cfg = st.config
+    batch, _, heads, _ = q.shape
+    dtype, stages, bq, bk = q.dtype, cfg.num_stages, cfg.block_q, cfg.block_k
+    scratch = [
+        _swizzled((2, bq, st.d), dtype),
+        _swizzled((stages, st.d, bk), dtype),
+        _swizzled((stages, bk, st.dv), dtype),
+        _swizzled((2, bq, bk), dtype),
+        plgpu.SMEM((2, bq), jnp.float32),
+        *([_swizzled((2, bq, st.dv), dtype)] if st.dv != st.d else []),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    return plgpu.kernel(
+        functools.partial(_fwd_kernel, st=st, rebuild=rebuild),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, st.q_pad, heads, st.dv), dtype),
+            jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(st.q_pad // (2 * bq), heads, batch),
+        grid_names=("q", "h", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=COMPILER_PARAMS,
+        interpret=InterpretGPUParams() if cfg.interpret else None,
+    )(q, kt, v, *ranges, *operands)
+
+
+def _prefetching_loop(count, issue, wait):
+    """Issue step 0's copies now; `prefetch(n)` issues step n + 1's before step n runs."""
+
+    @pl.when(count > 0)
+    def _():
+        issue(0)
+
+    def prefetch(n):
+        @pl.when(n + 1 < count)
+        def _():
+            issue(n + 1)
+
+        wait(n)
+
+    return prefetch
+
+
+def _dkv_kernel(*refs, st, rebuild):
+    n_ops = len(st.kinds)
+    q_ref, qt_ref, k_ref, v_ref, do_ref, dot_ref, lse_ref, delta_ref = refs[:8]
+    lo_ref, flo_ref, fhi_ref, hi_ref = refs[8:12]
+    op_refs = refs[12 : 12 + n_ops]
+    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
+    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+     kv_bar, bars) = refs[14 + n_ops :]  # fmt: skip
+    cfg, dtype = st.config, q_ref.dtype
+    bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages
+    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    lo, full_lo, full_hi, hi = lo_ref[b, j], flo_ref[b, j], fhi_ref[b, j], hi_ref[b, j]
+    count = hi - lo
+    keys = pl.ds(j * bk, bk)
+    shape = (bk, bq)  # transposed scores: keys along rows
+    mask = _mask_of(st, rebuild, op_refs, b, h)
+
+    @pl.when(count > 0)
+    def _():
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_h], k_smem, kv_bar.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_h], v_smem, kv_bar.at[1])
+        plgpu.barrier_wait(kv_bar.at[0])
+        plgpu.barrier_wait(kv_bar.at[1])
+
+    sources = (q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref)
+    buffers = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+
+    def view(src, n):
+        rows = pl.ds((lo + n) * bq, bq)
+        if src is qt_ref or src is dot_ref:
+            return src.at[b, h, :, rows]
+        if src is lse_ref or src is delta_ref:
+            return src.at[b, h, rows]
+        return src.at[b, rows, h]
+
+    def issue(n):
+        slot = lax.rem(n, stages)
+        for k, (src, dst) in enumerate(zip(sources, buffers)):
+            plgpu.copy_gmem_to_smem(view(src, n), dst.at[slot], bars.at[k * stages + slot])
+
+    def wait(n):
+        slot = lax.rem(n, stages)
+        for k in range(len(sources)):
+            plgpu.barrier_wait(bars.at[k * stages + slot])
+
+    prefetch = _prefetching_loop(count, issue, wait)
+
+    def accumulate(dk_acc, dv_acc):
+        def body(i, carry, masked):
+            n = i - lo
+            slot = lax.rem(n, stages)
+            prefetch(n)
+            scores_t = _dot(k_smem, qt_smem.at[slot], shape) * (st.scale * LOG2E)
+            if masked:
+                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 0)
+                q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
+                valid = _valid(st, mask, b, h, q_idx, kv_idx)
+                scores_t = jnp.where(valid, scores_t, -jnp.inf)
+            pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
+            dpt = _dot(v_smem, dot_smem.at[slot], shape)
+            dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
+            pt_smem[...] = pt.astype(dtype)
+            dst_smem[...] = dst.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
+            plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
+            plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
+            return carry
+
+        _tile_loop(lo, full_lo, full_hi, hi, body, None)
+        return dk_acc[...], dv_acc[...]
+
+    dk, dv = pl.run_scoped(
+        accumulate, plgpu.ACC((bk, st.d), jnp.float32), plgpu.ACC((bk, st.dv), jnp.float32)
+    )
+    # K and V are no longer needed: their buffers stage the outputs.
+    k_smem[...] = dk.astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(*refs, st, rebuild):
+    n_ops = len(st.kinds)
+    q_ref, do_ref, lse_ref, delta_ref, kt_ref, k_ref, vt_ref = refs[:7]
+    lo_ref, flo_ref, fhi_ref, hi_ref = refs[7:11]
+    op_refs = refs[11 : 11 + n_ops]
+    dq_ref = refs[11 + n_ops]
+    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
+     bars) = refs[12 + n_ops :]  # fmt: skip
+    cfg, dtype = st.config, q_ref.dtype
+    bq, bk, stages = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages
+    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
+    count = hi - lo
+    rows = pl.ds(i * bq, bq)
+    shape = (bq, bk)
+    mask = _mask_of(st, rebuild, op_refs, b, h)
+    own = ((q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
+           (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem))  # fmt: skip
+    for k, (src, dst) in enumerate(own):
+        plgpu.copy_gmem_to_smem(src, dst, q_bar.at[k])
+    for k in range(len(own)):
+        plgpu.barrier_wait(q_bar.at[k])
+
+    def issue(n):
+        slot = lax.rem(n, stages)
+        keys = pl.ds((lo + n) * bk, bk)
+        views = (kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys])
+        for k, (src, dst) in enumerate(zip(views, (kt_smem, k_smem, vt_smem))):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
+
+    def wait(n):
+        slot = lax.rem(n, stages)
+        for k in range(3):
+            plgpu.barrier_wait(bars.at[k * stages + slot])
+
+    prefetch = _prefetching_loop(count, issue, wait)
+    lse, delta = lse_smem[...], delta_smem[...]
+
+    def accumulate(dq_acc):
+        def body(j, carry, masked):
+            n = j - lo
+            slot = lax.rem(n, stages)
+            prefetch(n)
+            s = _dot(q_smem, kt_smem.at[slot], shape) * (st.scale * LOG2E)
+            if masked:
+                q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 0)
+                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+                s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+            p = jnp.exp2(s - _rows(lse, shape))
+            dp = _dot(do_smem, vt_smem.at[slot], shape)
+            ds_smem[...] = (p * (dp - _rows(delta, shape)) * st.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
+            plgpu.wgmma_wait(0)
+            return carry
+
+        _tile_loop(lo, full_lo, full_hi, hi, body, None)
+        return dq_acc[...]
+
+    dq = pl.run_scoped(accumulate, plgpu.ACC((bq, st.d), jnp.float32))
+    q_smem[...] = dq.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _transposed(x):
+    """`[batch, seq, heads, dim]` -> `[batch, heads, dim, seq]`."""
+    return jnp.transpose(x, (0, 2, 3, 1))
+
+
+def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
+    cfg = st.config
+    batch, _, heads, _ = q.shape
+    kv_heads, dtype, stages = k.shape[2], q.dtype, cfg.num_stages
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    interpret = InterpretGPUParams() if cfg.interpret else None
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.d), dtype),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.dv), dtype),
+        ),
+        scratch_types=[
+            _swizzled((bk, st.d), dtype),
+            _swizzled((bk, st.dv), dtype),
+            _swizzled((stages, bq, st.d), dtype),
+            _swizzled((stages, st.d, bq), dtype),
+            _swizzled((stages, bq, st.dv), dtype),
+            _swizzled((stages, st.dv, bq), dtype),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            _swizzled((bk, bq), dtype),
+            _swizzled((bk, bq), dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=1, num_barriers=6 * stages),
+        ],
+        grid=(st.kv_pad // bk, heads, batch),
+        grid_names=("k", "h", "b"),
+        compiler_params=COMPILER_PARAMS,
+        interpret=interpret,
+    )(q, _transposed(q), k, v, do, _transposed(do), lse, delta, *dkv_ranges, *operands)
+    # Per-query-head dK/dV, summed in float32 over the query heads sharing a KV head.
+    groups = st.call.groups
+    dk = dk.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.d).sum(3)
+    dv = dv.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.dv).sum(3)
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, st=st, rebuild=rebuild),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=[
+            _swizzled((bq, st.d), dtype),
+            _swizzled((bq, st.dv), dtype),
+            plgpu.SMEM((bq,), jnp.float32),
+            plgpu.SMEM((bq,), jnp.float32),
+            _swizzled((stages, st.d, bk), dtype),
+            _swizzled((stages, bk, st.d), dtype),
+            _swizzled((stages, st.dv, bk), dtype),
+            _swizzled((bq, bk), dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=4),
+            plgpu.Barrier(num_arrivals=1, num_barriers=3 * stages),
+        ],
+        grid=(st.q_pad // bq, heads, batch),
+        grid_names=("q", "h", "b"),
+        compiler_params=COMPILER_PARAMS,
+        interpret=interpret,
+    )(q, do, lse, delta, _transposed(k), k, _transposed(v), *dq_ranges, *operands)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
+    """Mosaic GPU flash attention of `[batch, seq, heads, dim]` operands (module docstring)."""
+    if score_mod is not None:
+        raise ValueError("the Mosaic kernel takes no score_mod")
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, None)
+    cfg = config
+    d, dv = _dims(call)
+    q_pad = _round_up(call.q_len, max(2 * cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
+    kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
+    ops, kinds, rebuild = _tiles.split(
+        mask, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
+    )
+    st = _Static(call, cfg, scale, q_pad, kv_pad, d, dv, tuple(kinds))
+    ctx = st.ctx
+    ranges = {
+        "fwd": _tiles.block_ranges(
+            ctx, mask, q_pad, kv_pad, program_block=2 * cfg.block_q, loop_block=cfg.block_k
+        ),
+        "dq": _tiles.block_ranges(
+            ctx, mask, q_pad, kv_pad, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq
+        ),
+        "dkv": _tiles.block_ranges(
+            ctx,
+            mask,
+            q_pad,
+            kv_pad,
+            program_block=cfg.block_k_dkv,
+            loop_block=cfg.block_q_dkv,
+            kv_loop=False,
+        ),
+    }
+    operands = tuple(ops)
+
+    def pad(x, length, dim):
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+
+    qp, kp, vp = pad(q, q_pad, d), pad(k, kv_pad, d), pad(v, kv_pad, dv)
+
+    def forward(qp, kp, vp, ranges, operands):
+        try:
+            return _forward(st, rebuild, qp, _transposed(kp), vp, ranges["fwd"], operands)
+        except Exception:
+            if cfg.interpret:
+                reset_gpu_interpret_mode_state()
+            raise
+
+    @jax.custom_vjp
+    def attend(qp, kp, vp, ranges, operands):
+        return forward(qp, kp, vp, ranges, operands)[0]
+
+    def attend_fwd(qp, kp, vp, ranges, operands):
+        o, lse = forward(qp, kp, vp, ranges, operands)
+        return o, (qp, kp, vp, o, lse, ranges, operands)
+
+    def attend_bwd(residuals, do):
+        qp, kp, vp, o, lse, ranges, operands = residuals
+        try:
+            grads = _backward(
+                st, rebuild, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands
+            )
+        except Exception:
+            if cfg.interpret:
+                reset_gpu_interpret_mode_state()
+            raise
+        return (*grads, None, (None,) * len(operands))
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(qp, kp, vp, ranges, operands)[:, : call.q_len, :, : call.v_dim]
+
+
+def _kernel_rule(call: AttentionCall) -> str | None:
+    for term in call.mask_terms:
+        for name in _tiles.spec_names(term):
+            if name in _NOT_IN_KERNEL:
+                return _NOT_IN_KERNEL[name]
+    if call.score_mod is not None:
+        return "score_mod is not in the Mosaic kernel yet; use implementation='triton'"
+    d, dv = _dims(call)
+    need = max(smem_bytes(MosaicAttentionConfig(block_k=64), d, dv).values())
+    if need > _SMEM_LIMIT:
+        return f"head dims {call.qk_dim}/{call.v_dim} need {need} bytes of shared memory"
+    return None
+
+
+_NOT_IN_KERNEL = {
+    "dense": "a dense mask cannot be evaluated per tile",
+    "mask_fn": "MaskFn is not in the Mosaic kernel yet; use implementation='triton'",
+    "segments": "segment ids are not in the Mosaic kernel yet; use implementation='triton'",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttention:
+    """The `"mosaic"` implementation: our Pallas Mosaic GPU kernels (Hopper, 16-bit)."""
+
+    name: str = "mosaic"
+    capabilities: AttentionCapabilities = AttentionCapabilities(
+        dtypes=frozenset({"bfloat16", "float16"}),
+        platforms=frozenset({"gpu", "cpu"}),
+        min_compute_capability="sm_90",
+        max_head_dim=256,
+        extra=(_kernel_rule,),
+    )
+
+    def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
+        if config is not None and not isinstance(config, MosaicAttentionConfig):
+            raise TypeError(
+                f"implementation='mosaic' takes a MosaicAttentionConfig, got {config!r}"
+            )
+        why = self.capabilities.check(call, device)
+        if why is not None:
+            return why
+        if device.is_gpu and device.compute_capability != "sm_90":
+            return f"wgmma and TMA need sm_90, device has {device.compute_capability}"
+        if not device.is_gpu and not (config is not None and config.interpret):
+            return (
+                "Mosaic GPU needs an sm_90 GPU; on the CPU pass "
+                "config=MosaicAttentionConfig(interpret=True)"
+            )
+        return None
+
+    def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
+        return default_config(call, device)
+
+    def __call__(self, q, k, v, *, mask, score_mod, scale, config: MosaicAttentionConfig):
+        return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)

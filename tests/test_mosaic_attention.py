@@ -1,0 +1,80 @@
+"""The Mosaic GPU kernels under the Mosaic GPU interpreter (CPU) against the float32 oracle.
+
+The interpreter simulates shared memory, barriers, TMA and wgmma; every case here runs
+the forward kernel and both backward kernels. Shapes are small but still exercise
+padding (lengths and head dims off the 64-row tiles), GQA and several tiles per loop.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from _attention_cases import MASKS, make_qkv
+from _check import check_against_oracle
+from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
+
+CFG = MosaicAttentionConfig(block_k=64, interpret=True)
+IN_KERNEL = sorted(set(MASKS) - {"segments"})
+
+
+def check(q, k, v, ct, mask=None, config=CFG):
+    f = lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="mosaic", config=config)
+    return check_against_oracle(f, q, k, v, ct, mask=mask)
+
+
+@pytest.mark.parametrize("name", IN_KERNEL)
+def test_masks_fwd_and_grads(getkey, name):
+    q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
+    ct = jax.random.normal(getkey(), (2, 7, 4, 16))
+    check(q, k, v, ct, MASKS[name])
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, mask",
+    [
+        (100, 150, masks.Causal("bottom_right")),
+        (150, 70, masks.causal_local_window(40) & masks.KVLengths(jnp.array([60]))),
+    ],
+)
+def test_several_tiles_unaligned_fp16(getkey, q_len, kv_len, mask):
+    q, k, v = make_qkv(
+        getkey(),
+        batch=1,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_heads=2,
+        kv_heads=1,
+        qk_dim=40,
+        v_dim=72,
+        dtype=jnp.float16,
+    )
+    ct = jax.random.normal(getkey(), (1, q_len, 2, 72))
+    check(q, k, v, ct, mask)
+
+
+def test_rows_without_keys_are_zero(getkey):
+    q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
+    mask = masks.KVLengths(jnp.array([0, 4]))
+    ct = jax.random.normal(getkey(), (2, 7, 4, 16))
+    out, (dq, dk, dv) = check(q, k, v, ct, mask)
+    assert not jnp.any(out[0]) and not jnp.any(dq[0]) and not jnp.any(dk[0]) and not jnp.any(dv[0])
+
+
+def test_refusals_name_the_reason(getkey):
+    q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
+    segments = MASKS["segments"]
+    with pytest.raises(UnsupportedError, match="segment ids are not in the Mosaic kernel"):
+        flex_attention(q, k, v, mask=segments, implementation="mosaic", config=CFG)
+    with pytest.raises(UnsupportedError, match="score_mod is not in the Mosaic kernel"):
+        flex_attention(q, k, v, score_mod=biases.SoftCap(5.0), implementation="mosaic", config=CFG)
+    with pytest.raises(UnsupportedError, match="dtype float32 not supported"):
+        q32, k32, v32 = make_qkv(getkey())
+        dot_product_attention(q32, k32, v32, implementation="mosaic", config=CFG)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        MosaicAttentionConfig(block_k=32)
+
+
+def test_shared_memory_estimate_fits_hopper_at_head_dim_128():
+    sizes = smem_bytes(MosaicAttentionConfig(), 128, 128)
+    assert max(sizes.values()) <= 227 * 1024, sizes
