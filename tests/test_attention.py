@@ -152,8 +152,9 @@ def test_transforms_jit_vmap_grad(getkey):
 
 def test_unsupported_and_unknown_implementations():
     q, k, v = make_qkv(jax.random.key(0))
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
     with pytest.raises(UnsupportedError, match="implementation='mosaic'.*needs an sm_90 GPU"):
-        dot_product_attention(q, k, v, implementation="mosaic")
+        dot_product_attention(q16, k16, v16, implementation="mosaic")
     cpu_cudnn = resolve("attention", "cudnn", device=DeviceInfo("cpu", "cpu"), environ={})
     with pytest.raises(UnsupportedError, match="not on platform 'cpu'"):
         dot_product_attention(q, k, v, implementation=cpu_cudnn)

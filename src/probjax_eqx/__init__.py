@@ -13,5 +13,8 @@ from probjax_eqx.backends import UnsupportedError as UnsupportedError
 from probjax_eqx.backends import detect_device as detect_device
 from probjax_eqx.backends import explain as explain
 from probjax_eqx.backends import resolve as resolve
+from probjax_eqx.moe import MoE as MoE
+from probjax_eqx.moe import MoEAux as MoEAux
+from probjax_eqx.moe import grouped_matmul as grouped_matmul
 
 __version__ = "0.1.0"

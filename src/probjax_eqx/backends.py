@@ -13,6 +13,7 @@ Registry rules (in priority order, first supported wins):
 | op        | `sm_90` (H100/H200)              | `generic` (other GPUs, CPU) |
 |-----------|----------------------------------|-----------------------------|
 | attention | cudnn, mosaic, triton, xla       | triton, xla                 |
+| grouped_matmul | triton, xla                 | triton, xla                 |
 
 Environment opt-outs, read when a `Backend` is built (never at call time):
 
@@ -26,6 +27,7 @@ Opt-outs only prune automatic selection; an implementation pinned by name is kep
 """
 
 import dataclasses
+import importlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
@@ -41,7 +43,13 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         "sm_90": ("cudnn", "mosaic", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
+    "grouped_matmul": {
+        "sm_90": ("triton", "xla"),
+        "generic": ("triton", "xla"),
+    },
 }
+# The module that registers each op's implementation table on import.
+_OP_MODULES = {"attention": "probjax_eqx.attention", "grouped_matmul": "probjax_eqx.moe"}
 
 # Env variable -> (op, implementation it removes from auto selection).
 ENV_OPT_OUTS: Mapping[str, tuple[str, str]] = {
@@ -237,8 +245,7 @@ def register_op(op: str, table: Callable[[], Mapping[str, KernelImplementation]]
 def implementations(op: str) -> Mapping[str, KernelImplementation]:
     """The implementation table of `op` (name -> implementation)."""
     if op not in _IMPLEMENTATION_TABLES:
-        # The op's module registers its table on import.
-        import probjax_eqx.attention  # noqa: F401
+        importlib.import_module(_OP_MODULES[op])
     return _IMPLEMENTATION_TABLES[op]()
 
 

@@ -1,0 +1,363 @@
+"""Mixture of experts: dropless top-k routing over SwiGLU experts, and the grouped matmul.
+
+`MoE` routes every token to its `top_k` experts, always: there is no capacity factor,
+so no token is dropped however skewed the routing. Dispatch is "sorted": the `N * K`
+(token, slot) pairs are sorted by expert, gathered, run through grouped matmuls (one
+weight matrix per expert, ragged row counts) and scatter-added back with their router
+weights. The grouped matmul is its own op with a backend registry:
+
+| implementation | what runs                                                      |
+|----------------|----------------------------------------------------------------|
+| `"xla"`        | `jax.lax.ragged_dot` (the reference)                           |
+| `"triton"`     | our Pallas Triton grouped matmul, dLHS and transposed dRHS      |
+
+`dispatch=` picks the mode: `"sorted"`/`"auto"` (the registry's grouped matmul for the
+device), `"xla"`, `"triton"`, or `"pallas"` (our Pallas kernels: Triton today). The
+`"fused_gsum"` and `"mosaic"` modes are not built yet and say so.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
+from probjax_eqx.kernels.triton.grouped_matmul import (
+    TritonGroupedMatmulConfig,
+)
+from probjax_eqx.kernels.triton.grouped_matmul import (
+    grouped_matmul as triton_grouped_matmul,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulCall:
+    """Static description of one grouped matmul `[rows, k] x [groups, k, n]`."""
+
+    rows: int
+    k: int
+    n: int
+    groups: int
+    dtype: str
+
+
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaGroupedMatmul:
+    """`jax.lax.ragged_dot`, accumulating in float32."""
+
+    name: str = "xla"
+
+    def check(self, call: GroupedMatmulCall, device: DeviceInfo, config=None) -> str | None:
+        if config is not None:
+            raise TypeError(f"implementation='xla' takes no config, got {config!r}")
+        return None if call.dtype in _FLOATS else f"dtype {call.dtype} not supported"
+
+    def default_config(self, call, device):
+        return None
+
+    def __call__(self, lhs, rhs, group_sizes, *, config):
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        return out.astype(lhs.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonGroupedMatmul:
+    """Our Pallas Triton grouped matmul (`kernels/triton/grouped_matmul.py`)."""
+
+    name: str = "triton"
+
+    def check(self, call: GroupedMatmulCall, device: DeviceInfo, config=None) -> str | None:
+        if config is not None and not isinstance(config, TritonGroupedMatmulConfig):
+            raise TypeError(
+                f"implementation='triton' takes a TritonGroupedMatmulConfig, got {config!r}"
+            )
+        if call.dtype not in _FLOATS:
+            return f"dtype {call.dtype} not supported (supports {sorted(_FLOATS)})"
+        if device.is_gpu:
+            return None
+        if config is not None and config.interpret:
+            return None
+        return (
+            "Pallas Triton needs a GPU; on the CPU pass "
+            "config=TritonGroupedMatmulConfig(interpret=True)"
+        )
+
+    def default_config(self, call, device):
+        return TritonGroupedMatmulConfig(interpret=not device.is_gpu)
+
+    def __call__(self, lhs, rhs, group_sizes, *, config):
+        return triton_grouped_matmul(lhs, rhs, group_sizes, config=config)
+
+
+_IMPLEMENTATIONS = {"xla": XlaGroupedMatmul(), "triton": TritonGroupedMatmul()}
+register_op("grouped_matmul", lambda: _IMPLEMENTATIONS)
+
+
+def _describe(lhs, rhs, group_sizes) -> GroupedMatmulCall:
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(
+            "expected lhs [rows, k], rhs [groups, k, n], group_sizes [groups]; got "
+            f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}"
+        )
+    if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
+        raise ValueError(
+            f"shapes do not chain: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes "
+            f"{group_sizes.shape}"
+        )
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(f"lhs and rhs must share a dtype, got {lhs.dtype} and {rhs.dtype}")
+    return GroupedMatmulCall(
+        lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], jnp.dtype(lhs.dtype).name
+    )
+
+
+def _select(lhs, rhs, group_sizes, implementation, config) -> Choice:
+    call = _describe(lhs, rhs, group_sizes)
+    if not isinstance(implementation, Backend):
+        implementation = resolve("grouped_matmul", implementation)
+    return implementation.select(call, config)
+
+
+def grouped_matmul(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "groups k n"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    implementation: str | Backend | None = None,
+    config: object = None,
+) -> Float[Array, "rows n"]:
+    """`out[r] = lhs[r] @ rhs[g(r)]` for rows sorted by group, `group_sizes[g]` rows each.
+
+    Rows past `sum(group_sizes)` give zeros. Differentiable in `lhs` and `rhs`.
+
+    Args:
+        lhs: `[rows, k]`, sorted by group.
+        rhs: `[groups, k, n]`, one matrix per group.
+        group_sizes: `[groups]` row counts (int32).
+        implementation: `None`/`"auto"`, `"xla"` or `"triton"`, or a resolved `Backend`.
+        config: the pinned implementation's config (e.g. `TritonGroupedMatmulConfig`).
+    """
+    choice = _select(lhs, rhs, group_sizes, implementation, config)
+    impl = _IMPLEMENTATIONS[choice.kernel]
+    return impl(lhs, rhs, group_sizes.astype(jnp.int32), config=choice.config)
+
+
+def explain_grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, config=None) -> Choice:
+    """The `Choice` `grouped_matmul` would make for these operands (shapes suffice)."""
+    return _select(lhs, rhs, group_sizes, implementation, config)
+
+
+Dispatch = Literal["auto", "sorted", "xla", "triton", "pallas", "fused_gsum", "mosaic"]
+# dispatch mode -> grouped-matmul implementation requested from the registry
+_DISPATCH_TO_GMM = {"auto": None, "sorted": None, "xla": "xla", "triton": "triton"}
+_DISPATCH_TO_GMM["pallas"] = "triton"  # Mosaic grouped matmuls are not built yet
+_NOT_BUILT = {
+    "fused_gsum": "the fused gather / weighted-sum dispatch is not built yet",
+    "mosaic": "the Mosaic GPU grouped matmul is not built yet",
+}
+
+
+def resolve_dispatch(dispatch: str = "auto", *, device: DeviceInfo | None = None) -> Backend:
+    """The grouped-matmul `Backend` a dispatch mode runs on (read once, at construction)."""
+    if dispatch in _NOT_BUILT:
+        raise ValueError(
+            f"dispatch={dispatch!r}: {_NOT_BUILT[dispatch]}; use one of {sorted(_DISPATCH_TO_GMM)}"
+        )
+    if dispatch not in _DISPATCH_TO_GMM:
+        raise ValueError(
+            f"unknown dispatch={dispatch!r}; expected one of {sorted(_DISPATCH_TO_GMM)}"
+        )
+    return resolve("grouped_matmul", _DISPATCH_TO_GMM[dispatch], device=device)
+
+
+class MoEAux(eqx.Module):
+    """Router statistics of one MoE call.
+
+    Attributes:
+        load_balancing_loss: Switch-Transformer loss `E * sum_e f_e * P_e` (1 when even).
+        router_z_loss: `mean(logsumexp(logits) ** 2)`.
+        tokens_per_expert: `[E]` (token, slot) pairs routed to each expert.
+        fraction_routed: `[E]` `tokens_per_expert / (tokens * top_k)`.
+    """
+
+    load_balancing_loss: Float[Array, ""]
+    router_z_loss: Float[Array, ""]
+    tokens_per_expert: Int[Array, " experts"]
+    fraction_routed: Float[Array, " experts"]
+
+
+class SwiGLU(eqx.Module):
+    """`down(silu(gate(x)) * up(x))`: the dense (shared) expert."""
+
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype=None, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.gate = eqx.nn.Linear(d_model, d_ff, use_bias=False, dtype=dtype, key=k1)
+        self.up = eqx.nn.Linear(d_model, d_ff, use_bias=False, dtype=dtype, key=k2)
+        self.down = eqx.nn.Linear(d_ff, d_model, use_bias=False, dtype=dtype, key=k3)
+
+    def __call__(self, x: Float[Array, " d_model"]) -> Float[Array, " d_model"]:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def _init(key, shape, fan_in, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
+
+
+class MoE(eqx.Module):
+    """Dropless top-k mixture of SwiGLU experts with an optional shared expert.
+
+    Example:
+        ```python
+        moe = MoE(256, 512, num_experts=8, top_k=2, key=jax.random.key(0))
+        y, aux = moe(x)                      # x: [tokens, 256]
+        loss = task_loss(y) + 0.01 * aux.load_balancing_loss + 1e-3 * aux.router_z_loss
+        ```
+    """
+
+    router: Float[Array, "d_model experts"]
+    w_gate: Float[Array, "experts d_model d_ff"]
+    w_up: Float[Array, "experts d_model d_ff"]
+    w_down: Float[Array, "experts d_ff d_model"]
+    shared: SwiGLU | None
+    top_k: int = eqx.field(static=True)
+    router_type: Literal["softmax", "sigmoid"] = eqx.field(static=True)
+    normalize_weights: bool = eqx.field(static=True)
+    compute_dtype: str | None = eqx.field(static=True)
+    dispatch: Backend = eqx.field(static=True)
+    dispatch_config: object = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        num_experts: int,
+        top_k: int = 2,
+        shared_d_ff: int | None = None,
+        router_type: Literal["softmax", "sigmoid"] = "softmax",
+        normalize_weights: bool = True,
+        compute_dtype: jnp.dtype | str | None = None,
+        dispatch: Dispatch = "auto",
+        dispatch_config: object = None,
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """Build the router and experts and resolve the dispatch backend.
+
+        Args:
+            d_model: token width.
+            d_ff: hidden width of each expert.
+            num_experts: number of routed experts.
+            top_k: experts per token.
+            shared_d_ff: hidden width of an always-on shared expert, or `None`.
+            router_type: `"softmax"` (probabilities, top-k) or `"sigmoid"` (scores).
+            normalize_weights: rescale each token's top-k weights to sum to 1.
+            compute_dtype: dtype of the expert matmuls (e.g. `"bfloat16"`).
+            dispatch: see the module docstring.
+            dispatch_config: config of a pinned grouped-matmul kernel.
+            dtype: parameter dtype.
+            key: PRNG key.
+        """
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if router_type not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_type={router_type!r}: expected 'softmax' or 'sigmoid'")
+        dtype = jnp.float32 if dtype is None else dtype
+        kr, kg, ku, kd, ks = jax.random.split(key, 5)
+        self.router = _init(kr, (d_model, num_experts), d_model, dtype)
+        self.w_gate = _init(kg, (num_experts, d_model, d_ff), d_model, dtype)
+        self.w_up = _init(ku, (num_experts, d_model, d_ff), d_model, dtype)
+        self.w_down = _init(kd, (num_experts, d_ff, d_model), d_ff, dtype)
+        self.shared = (
+            None if shared_d_ff is None else SwiGLU(d_model, shared_d_ff, dtype=dtype, key=ks)
+        )
+        self.top_k = top_k
+        self.router_type = router_type
+        self.normalize_weights = normalize_weights
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
+        self.dispatch = resolve_dispatch(dispatch)
+        self.dispatch_config = dispatch_config
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[1]
+
+    def route(self, x: Float[Array, "tokens d_model"]):
+        """Top-k expert indices `[tokens, k]`, their weights, and the router statistics."""
+        logits = x.astype(jnp.float32) @ self.router.astype(jnp.float32)
+        if self.router_type == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        weights, experts = jax.lax.top_k(scores, self.top_k)
+        if self.normalize_weights:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        counts = jnp.zeros((self.num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+        fraction = counts / experts.size
+        mean_prob = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0)
+        aux = MoEAux(
+            load_balancing_loss=self.num_experts
+            * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob),
+            router_z_loss=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            tokens_per_expert=counts,
+            fraction_routed=fraction,
+        )
+        return experts, weights, aux
+
+    def _gmm(self, lhs, rhs, group_sizes):
+        return grouped_matmul(
+            lhs, rhs, group_sizes, implementation=self.dispatch, config=self.dispatch_config
+        )
+
+    def experts(self, x, experts, weights):
+        """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
+        tokens, d_model = x.shape
+        dtype = jnp.dtype(self.compute_dtype or x.dtype)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
+        xs = x.astype(dtype)[token_of]
+        w = lambda p: p.astype(dtype)  # noqa: E731
+        h = jax.nn.silu(self._gmm(xs, w(self.w_gate), group_sizes)) * self._gmm(
+            xs, w(self.w_up), group_sizes
+        )
+        ys = self._gmm(h, w(self.w_down), group_sizes).astype(jnp.float32)
+        ys = ys * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
+
+    @jax.named_scope("probjax.MoE")
+    def __call__(
+        self, x: Float[Array, "*tokens d_model"]
+    ) -> tuple[Float[Array, "*tokens d_model"], MoEAux]:
+        """Route `x` (one token `[d_model]` or `[tokens, d_model]`) through the experts."""
+        squeeze = x.ndim == 1
+        xs = x[None] if squeeze else x
+        experts, weights, aux = self.route(xs)
+        y = self.experts(xs, experts, weights)
+        if self.shared is not None:
+            y = y + jax.vmap(self.shared)(xs).astype(jnp.float32)
+        y = y.astype(x.dtype)
+        return (y[0] if squeeze else y), aux
+
+    def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
+        """The grouped-matmul `Choice` for the expert matmuls of `x` `[tokens, d_model]`."""
+        tokens = 1 if len(x.shape) == 1 else x.shape[0]
+        dtype = self.compute_dtype or x.dtype
+        lhs = jax.ShapeDtypeStruct((tokens * self.top_k, self.w_gate.shape[1]), dtype)
+        rhs = jax.ShapeDtypeStruct(self.w_gate.shape, dtype)
+        sizes = jax.ShapeDtypeStruct((self.num_experts,), jnp.int32)
+        return explain_grouped_matmul(
+            lhs, rhs, sizes, implementation=self.dispatch, config=self.dispatch_config
+        )

@@ -1,0 +1,177 @@
+"""MoE and the grouped matmul against dense float32 oracles; Triton kernels in interpret mode."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _tolerance import assert_close
+from probjax_eqx import MoE, UnsupportedError, grouped_matmul
+from probjax_eqx import moe as moe_module
+from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
+from probjax_eqx.moe import explain_grouped_matmul
+
+GMM_CFG = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
+
+
+def dense_grouped_matmul(lhs, rhs, sizes):
+    """Row r uses the matrix of the group whose [start, end) holds r (numpy, float64)."""
+    lhs, rhs, sizes = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64), np.asarray(sizes)
+    ends = np.cumsum(sizes)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    for r in range(min(lhs.shape[0], ends[-1])):
+        out[r] = lhs[r] @ rhs[np.searchsorted(ends, r, side="right")]
+    return out
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_fwd_and_grads(getkey, impl, dtype):
+    m, k, n = 45, 24, 40
+    sizes = jnp.array([10, 0, 30, 3])  # an empty group; 2 rows past the groups
+    lhs = jax.random.normal(getkey(), (m, k)).astype(dtype)
+    rhs = jax.random.normal(getkey(), (4, k, n)).astype(dtype)
+    ct = jax.random.normal(getkey(), (m, n))
+    config = GMM_CFG if impl == "triton" else None
+    f = lambda a, b: grouped_matmul(a, b, sizes, implementation=impl, config=config)
+    out = f(lhs, rhs)
+    assert out.dtype == dtype
+    assert_close(out, dense_grouped_matmul(lhs, rhs, sizes), dtype, err_msg="out")
+    assert not jnp.any(out[43:])
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
+    ref = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision="highest")  # noqa: E731
+    got = jax.grad(loss(f), (0, 1))(lhs, rhs)
+    want = jax.grad(loss(ref), (0, 1))(up(lhs), up(rhs))
+    for name, a, b in zip(("dlhs", "drhs"), got, want):
+        assert a.dtype == dtype
+        assert_close(a, b, dtype, grad=True, err_msg=name)
+
+
+def test_grouped_matmul_refusals_and_choice(getkey):
+    lhs, rhs = jnp.zeros((8, 16)), jnp.zeros((2, 16, 16))
+    sizes = jnp.array([4, 4])
+    with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
+        grouped_matmul(lhs, rhs, sizes, implementation="triton")
+    bad = jnp.zeros((2, 8, 16))
+    with pytest.raises((TypeError, ValueError)):  # jaxtyping's boundary check in tests
+        grouped_matmul(lhs, bad, sizes)
+    with pytest.raises(ValueError, match="shapes do not chain"):
+        moe_module._describe(lhs, bad, sizes)
+    choice = explain_grouped_matmul(lhs, rhs, sizes)
+    if jax.devices()[0].platform == "cpu":
+        assert choice.kernel == "xla"
+        assert "needs a GPU" in dict(choice.rejected)["triton"]
+
+
+def dense_moe(moe: MoE, x):
+    """Every expert on every token, combined with the top-k weights (float32 oracle)."""
+    experts, weights, _ = moe.route(x)
+    hp = jax.lax.Precision.HIGHEST
+    x32 = x.astype(jnp.float32)
+    gate = jnp.einsum("td,edf->etf", x32, moe.w_gate, precision=hp)
+    up = jnp.einsum("td,edf->etf", x32, moe.w_up, precision=hp)
+    out = jnp.einsum("etf,efd->etd", jax.nn.silu(gate) * up, moe.w_down, precision=hp)
+    combine = (
+        jnp.zeros((x.shape[0], moe.num_experts))
+        .at[jnp.arange(x.shape[0])[:, None], experts]
+        .add(weights)
+    )
+    y = jnp.einsum("te,etd->td", combine, out, precision=hp)
+    if moe.shared is not None:
+        y = y + jax.vmap(moe.shared)(x32)
+    return y
+
+
+def make_moe(key, dispatch="xla", **kwargs):
+    config = GMM_CFG if dispatch == "triton" else None
+    return MoE(16, 24, num_experts=4, dispatch=dispatch, dispatch_config=config, key=key, **kwargs)
+
+
+@pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(top_k=2), dict(top_k=1, router_type="sigmoid", shared_d_ff=8), dict(top_k=3)],
+)
+def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
+    moe = make_moe(getkey(), dispatch, **kwargs)
+    x = jax.random.normal(getkey(), (19, 16))
+    ct = jax.random.normal(getkey(), (19, 16))
+    y, aux = moe(x)
+    assert_close(y, dense_moe(moe, x), jnp.float32, err_msg="y")
+    assert int(aux.tokens_per_expert.sum()) == 19 * moe.top_k
+
+    def loss(f):
+        return lambda m, x: jnp.sum(f(m, x) * ct)
+
+    got = eqx.filter_grad(loss(lambda m, x: m(x)[0]))(moe, x)
+    want = eqx.filter_grad(loss(dense_moe))(moe, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, jnp.float32, grad=True)
+    gx = jax.grad(loss(lambda m, x: m(x)[0]), argnums=1)(moe, x)
+    assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
+
+
+def test_dropless_under_skewed_routing(getkey):
+    moe = make_moe(getkey(), "sorted", top_k=2)
+    # Expert 3 wins every token by a wide margin: nothing may be dropped.
+    moe = eqx.tree_at(lambda m: m.router, moe, moe.router.at[:, 3].set(0.0))
+    x = jnp.abs(jax.random.normal(getkey(), (33, 16)))
+    moe = eqx.tree_at(lambda m: m.router, moe, moe.router.at[:, 3].set(5.0))
+    y, aux = moe(x)
+    assert int(aux.tokens_per_expert[3]) == 33
+    assert float(aux.load_balancing_loss) > 1.5  # far from even routing
+    assert_close(y, dense_moe(moe, x), jnp.float32)
+
+
+def test_aux_losses_match_their_definitions(getkey):
+    moe = make_moe(getkey(), top_k=2)
+    x = jax.random.normal(getkey(), (25, 16))
+    _, aux = moe(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(moe.router, np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1)[:, :2]
+    counts = np.bincount(top.reshape(-1), minlength=4)
+    np.testing.assert_array_equal(aux.tokens_per_expert, counts)
+    lb = 4 * np.sum(counts / 50 * probs.mean(0))
+    np.testing.assert_allclose(aux.load_balancing_loss, lb, rtol=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(aux.router_z_loss, np.mean(lse**2), rtol=1e-5)
+
+
+def test_unbatched_token_jit_and_scan_over_layers(getkey):
+    moe = make_moe(getkey(), compute_dtype="bfloat16")
+    x = jax.random.normal(getkey(), (9, 16))
+    y, _ = eqx.filter_jit(moe)(x)
+    y0, _ = moe(x[0])
+    assert y0.shape == (16,)
+    np.testing.assert_allclose(y0, y[0], atol=2e-2)
+    keys = jax.random.split(getkey(), 3)
+    stack = eqx.filter_vmap(lambda k: make_moe(k))(keys)
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def layer(h, p):
+        out, aux = eqx.combine(p, static)(h)
+        return h + out, aux.load_balancing_loss
+
+    def run(params, x):
+        h, lb = jax.lax.scan(layer, x, params)
+        return jnp.sum(h**2) + jnp.sum(lb)
+
+    grads = jax.jit(jax.grad(run))(params, x)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_dispatch_errors_name_the_reason(getkey):
+    with pytest.raises(ValueError, match="fused gather / weighted-sum dispatch is not built"):
+        make_moe(getkey(), "fused_gsum")
+    with pytest.raises(ValueError, match="unknown dispatch='dense'"):
+        moe_module.resolve_dispatch("dense")
+    with pytest.raises(ValueError, match="top_k=5"):
+        MoE(8, 8, num_experts=4, top_k=5, key=getkey())
+    moe = MoE(16, 24, num_experts=4, dispatch="triton", key=getkey())
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
+            moe(jnp.zeros((4, 16)))
