@@ -37,12 +37,18 @@ def test_bench_quick_run_writes_rows(tmp_path):
             "bench.run",
             "--suite",
             "attention",
+            "--suite",
+            "kv_lengths",
+            "--suite",
+            "moe",
             "--quick",
             "--repeats",
             "2",
             "--only",
             "probjax auto",
             "probjax triton",
+            "probjax moe auto",
+            "probjax moe triton",
             "--out",
             str(out_file),
         ],
@@ -54,6 +60,7 @@ def test_bench_quick_run_writes_rows(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out_file.read_text())["rows"]
     assert {r["status"] for r in rows} == {"ok", "unsup."}
+    assert {r["suite"] for r in rows} == {"attention", "kv_lengths", "moe"}
     for row in rows:
         assert {
             "suite",
