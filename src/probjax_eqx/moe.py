@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
+from probjax_eqx.kernels import _flash
 from probjax_eqx.kernels.triton.grouped_matmul import (
     TritonGroupedMatmulConfig,
 )
@@ -74,19 +75,10 @@ class TritonGroupedMatmul:
     name: str = "triton"
 
     def check(self, call: GroupedMatmulCall, device: DeviceInfo, config=None) -> str | None:
-        if config is not None and not isinstance(config, TritonGroupedMatmulConfig):
-            raise TypeError(
-                f"implementation='triton' takes a TritonGroupedMatmulConfig, got {config!r}"
-            )
         if call.dtype not in _FLOATS:
             return f"dtype {call.dtype} not supported (supports {sorted(_FLOATS)})"
-        if device.is_gpu:
-            return None
-        if config is not None and config.interpret:
-            return None
-        return (
-            "Pallas Triton needs a GPU; on the CPU pass "
-            "config=TritonGroupedMatmulConfig(interpret=True)"
+        return _flash.check_pallas(
+            "triton", TritonGroupedMatmulConfig, config, device, "Pallas Triton needs a GPU"
         )
 
     def default_config(self, call, device):

@@ -9,9 +9,7 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 try:  # public since jax 0.11
-    from jax.experimental.pallas.mosaic_gpu import (  # pyright: ignore[reportAttributeAccessIssue]
-        InterpretGPUParams,
-    )
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # pyright: ignore
 except ImportError:  # jax 0.10
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -26,7 +24,14 @@ except ImportError:  # pragma: no cover - only matters after an interpreter fail
 
 
 JAX_011 = jax.__version_info__ >= (0, 11)
+ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] - public, but not in __all__
 # The default lowering semantics changed between versions: always name it.
 COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
-__all__ = ["COMPILER_PARAMS", "JAX_011", "InterpretGPUParams", "reset_gpu_interpret_mode_state"]
+__all__ = [
+    "ACC",
+    "COMPILER_PARAMS",
+    "JAX_011",
+    "InterpretGPUParams",
+    "reset_gpu_interpret_mode_state",
+]

@@ -20,6 +20,10 @@ leaves entirely valid skip mask evaluation, and a dK/dV program with no query ti
 zeros without running its pipeline. Rows without a valid key give zeros (log-sum-exp
 +inf). Mask arrays must be per-batch or per-head scalars (KV/Q lengths, prefix lengths);
 segment ids and score mods are not in this kernel yet and are refused with that reason.
+
+Exponentials use `exp2` on float32 scores without `approx_math`: the approximate `ex2`
+would put its error on rows with a single valid key (p = 1 exactly there), whose dQ/dK
+must still meet the bf16 gradient tolerance.
 """
 
 import dataclasses
@@ -34,10 +38,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
-from probjax_eqx.kernels import _tiles
+from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._compat import (
+    ACC,
     COMPILER_PARAMS,
-    InterpretGPUParams,
+    InterpretGPUParams,  # pyright: ignore[reportAttributeAccessIssue]
     reset_gpu_interpret_mode_state,
 )
 from probjax_eqx.masks import MaskContext
@@ -160,7 +165,7 @@ def _dot(a_smem, b_smem, shape):
         plgpu.wgmma(acc_ref, a_smem, b_smem)
         return acc_ref[...]
 
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+    return pl.run_scoped(run, ACC(shape, jnp.float32))
 
 
 def _rows(x, shape):
@@ -393,9 +398,7 @@ def _dkv_kernel(*refs, st, rebuild):
         _tile_loop(lo, full_lo, full_hi, hi, body, None)
         return dk_acc[...], dv_acc[...]
 
-    dk, dv = pl.run_scoped(
-        accumulate, plgpu.ACC((bk, st.d), jnp.float32), plgpu.ACC((bk, st.dv), jnp.float32)
-    )
+    dk, dv = pl.run_scoped(accumulate, ACC((bk, st.d), jnp.float32), ACC((bk, st.dv), jnp.float32))
     # K and V are no longer needed: their buffers stage the outputs.
     k_smem[...] = dk.astype(dtype)
     v_smem[...] = dv.astype(dtype)
@@ -465,7 +468,7 @@ def _dq_kernel(*refs, st, rebuild):
         _tile_loop(lo, full_lo, full_hi, hi, body, None)
         return dq_acc[...]
 
-    dq = pl.run_scoped(accumulate, plgpu.ACC((bq, st.d), jnp.float32))
+    dq = pl.run_scoped(accumulate, ACC((bq, st.d), jnp.float32))
     q_smem[...] = dq.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -550,61 +553,45 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAtt
         mask, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
     )
     st = _Static(call, cfg, scale, q_pad, kv_pad, d, dv, tuple(kinds))
-    ctx = st.ctx
-    ranges = {
-        "fwd": _tiles.block_ranges(
-            ctx, mask, q_pad, kv_pad, program_block=2 * cfg.block_q, loop_block=cfg.block_k
-        ),
-        "dq": _tiles.block_ranges(
-            ctx, mask, q_pad, kv_pad, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq
-        ),
-        "dkv": _tiles.block_ranges(
-            ctx,
-            mask,
-            q_pad,
-            kv_pad,
-            program_block=cfg.block_k_dkv,
-            loop_block=cfg.block_q_dkv,
-            kv_loop=False,
-        ),
-    }
+    ranges = _flash.tile_ranges(
+        st.ctx,
+        mask,
+        q_pad,
+        kv_pad,
+        fwd=(2 * cfg.block_q, cfg.block_k),
+        dq=(cfg.block_q_dq, cfg.block_k_dq),
+        dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
+    )
+    qp, kp, vp = _flash.pad_qkv(q, k, v, q_pad=q_pad, kv_pad=kv_pad, d=d, dv=dv)
+
+    def interpreted(fn):
+        """After a failed interpreted kernel the interpreter's state must be reset."""
+
+        def run(*args):
+            try:
+                return fn(*args)
+            except Exception:
+                if cfg.interpret:
+                    reset_gpu_interpret_mode_state()
+                raise
+
+        return run
+
+    @interpreted
+    def forward(qp, kp, vp, fwd_ranges, operands):
+        return _forward(st, rebuild, qp, _transposed(kp), vp, fwd_ranges, operands)
+
+    @interpreted
+    def backward(qp, kp, vp, o, lse, do, ranges, operands):
+        grads = _backward(
+            st, rebuild, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands
+        )
+        return (*grads, (None,) * len(operands))
+
     operands = tuple(ops)
-
-    def pad(x, length, dim):
-        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
-
-    qp, kp, vp = pad(q, q_pad, d), pad(k, kv_pad, d), pad(v, kv_pad, dv)
-
-    def forward(qp, kp, vp, ranges, operands):
-        try:
-            return _forward(st, rebuild, qp, _transposed(kp), vp, ranges["fwd"], operands)
-        except Exception:
-            if cfg.interpret:
-                reset_gpu_interpret_mode_state()
-            raise
-
-    @jax.custom_vjp
-    def attend(qp, kp, vp, ranges, operands):
-        return forward(qp, kp, vp, ranges, operands)[0]
-
-    def attend_fwd(qp, kp, vp, ranges, operands):
-        o, lse = forward(qp, kp, vp, ranges, operands)
-        return o, (qp, kp, vp, o, lse, ranges, operands)
-
-    def attend_bwd(residuals, do):
-        qp, kp, vp, o, lse, ranges, operands = residuals
-        try:
-            grads = _backward(
-                st, rebuild, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands
-            )
-        except Exception:
-            if cfg.interpret:
-                reset_gpu_interpret_mode_state()
-            raise
-        return (*grads, None, (None,) * len(operands))
-
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend(qp, kp, vp, ranges, operands)[:, : call.q_len, :, : call.v_dim]
+    return _flash.attend(
+        forward, backward, qp, kp, vp, ranges, operands, q_len=call.q_len, v_dim=call.v_dim
+    )
 
 
 def _kernel_rule(call: AttentionCall) -> str | None:
@@ -642,21 +629,14 @@ class MosaicAttention:
     )
 
     def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
-        if config is not None and not isinstance(config, MosaicAttentionConfig):
-            raise TypeError(
-                f"implementation='mosaic' takes a MosaicAttentionConfig, got {config!r}"
-            )
-        why = self.capabilities.check(call, device)
-        if why is not None:
-            return why
-        if device.is_gpu and device.compute_capability != "sm_90":
-            return f"wgmma and TMA need sm_90, device has {device.compute_capability}"
-        if not device.is_gpu and not (config is not None and config.interpret):
-            return (
-                "Mosaic GPU needs an sm_90 GPU; on the CPU pass "
-                "config=MosaicAttentionConfig(interpret=True)"
-            )
-        return None
+        why = _flash.check_pallas(
+            "mosaic", MosaicAttentionConfig, config, device, "Mosaic GPU needs an sm_90 GPU"
+        )
+        if why is None:
+            why = self.capabilities.check(call, device)
+        if why is None and device.is_gpu and device.compute_capability != "sm_90":
+            why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
+        return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
         return default_config(call, device)

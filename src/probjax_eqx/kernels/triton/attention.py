@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo, UnsupportedError
-from probjax_eqx.kernels import _tiles
+from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.masks import MaskContext
 
 LOG2E = math.log2(math.e)
@@ -542,49 +542,27 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots)
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
-    ranges = {
-        "fwd": _tiles.block_ranges(
-            st.ctx, mask, q_pad, kv_pad, program_block=cfg.block_q, loop_block=cfg.block_k
-        ),
-        "dq": _tiles.block_ranges(
-            st.ctx, mask, q_pad, kv_pad, program_block=cfg.block_q_dq, loop_block=cfg.block_k_dq
-        ),
-        "dkv": _tiles.block_ranges(
-            st.ctx,
-            mask,
-            q_pad,
-            kv_pad,
-            program_block=cfg.block_k_dkv,
-            loop_block=cfg.block_q_dkv,
-            kv_loop=False,
-        ),
-    }
+    ranges = _flash.tile_ranges(
+        st.ctx,
+        mask,
+        q_pad,
+        kv_pad,
+        fwd=(cfg.block_q, cfg.block_k),
+        dq=(cfg.block_q_dq, cfg.block_k_dq),
+        dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
+    )
     d_pad, dv_pad = _padded_dim(call.qk_dim), _padded_dim(call.v_dim)
+    qp, kp, vp = _flash.pad_qkv(q, k, v, q_pad=q_pad, kv_pad=kv_pad, d=d_pad, dv=dv_pad)
 
-    def pad(x, length, dim):
-        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+    def forward(qp, kp, vp, fwd_ranges, operands):
+        return _forward(st, build, qp, kp, vp, fwd_ranges, operands)
 
-    qp, kp, vp = pad(q, q_pad, d_pad), pad(k, kv_pad, d_pad), pad(v, kv_pad, dv_pad)
+    def backward(qp, kp, vp, o, lse, do, ranges, operands):
+        return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
-    # Ranges and operands are explicit (integer, non-differentiable) arguments: a
-    # custom_vjp must not close over tracers, or `scan`/`jit` leak them into the bwd.
-    @jax.custom_vjp
-    def attend(qp, kp, vp, ranges, operands):
-        return _forward(st, build, qp, kp, vp, ranges["fwd"], operands)[0]
-
-    def attend_fwd(qp, kp, vp, ranges, operands):
-        o, lse = _forward(st, build, qp, kp, vp, ranges["fwd"], operands)
-        return o, (qp, kp, vp, o, lse, ranges, operands)
-
-    def attend_bwd(residuals, do):
-        qp, kp, vp, o, lse, ranges, operands = residuals
-        *grads, doperands = _backward(
-            st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands
-        )
-        return (*grads, None, doperands)
-
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend(qp, kp, vp, ranges, operands)[:, : call.q_len, :, : call.v_dim]
+    return _flash.attend(
+        forward, backward, qp, kp, vp, ranges, operands, q_len=call.q_len, v_dim=call.v_dim
+    )
 
 
 _PARAMETRIC = frozenset({"alibi", "head_scale"})
@@ -617,19 +595,10 @@ class TritonAttention:
     )
 
     def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
-        if config is not None and not isinstance(config, TritonAttentionConfig):
-            raise TypeError(
-                f"implementation='triton' takes a TritonAttentionConfig, got {config!r}"
-            )
-        why = self.capabilities.check(call, device)
-        if why is not None:
-            return why
-        if not device.is_gpu and not (config is not None and config.interpret):
-            return (
-                "Pallas Triton needs a GPU; on the CPU pass "
-                "config=TritonAttentionConfig(interpret=True)"
-            )
-        return None
+        why = _flash.check_pallas(
+            "triton", TritonAttentionConfig, config, device, "Pallas Triton needs a GPU"
+        )
+        return why if why is not None else self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
         return default_config(call, device)

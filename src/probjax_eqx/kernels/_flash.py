@@ -1,0 +1,70 @@
+"""What every flash-attention kernel family shares.
+
+Padding, tile ranges, the custom VJP and the config / interpret check.
+
+A family supplies `forward(qp, kp, vp, fwd_ranges, operands) -> (o, lse)` and
+`backward(qp, kp, vp, o, lse, do, ranges, operands) -> (dq, dk, dv, doperands)` on
+padded operands; `attend` wires them into one `jax.custom_vjp` and slices the padding off.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels import _tiles
+
+
+def pad_qkv(q, k, v, *, q_pad: int, kv_pad: int, d: int, dv: int):
+    """Zero-pad sequence and head dims of `[batch, seq, heads, dim]` operands."""
+
+    def pad(x, length, dim):
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+
+    return pad(q, q_pad, d), pad(k, kv_pad, d), pad(v, kv_pad, dv)
+
+
+def tile_ranges(ctx, mask, q_pad: int, kv_pad: int, *, fwd, dq, dkv) -> dict:
+    """`block_ranges` of the three kernels.
+
+    Each of `fwd`, `dq`, `dkv` is `(program, loop)` tile sizes: queries per program for
+    `fwd` and `dq`, keys per program for `dkv`.
+    """
+
+    def ranges(blocks, kv_loop):
+        program, loop = blocks
+        return _tiles.block_ranges(
+            ctx, mask, q_pad, kv_pad, program_block=program, loop_block=loop, kv_loop=kv_loop
+        )
+
+    return {"fwd": ranges(fwd, True), "dq": ranges(dq, True), "dkv": ranges(dkv, False)}
+
+
+def attend(forward, backward, qp, kp, vp, ranges, operands, *, q_len: int, v_dim: int):
+    """Run `forward` under a custom VJP whose backward is `backward` (module docstring)."""
+
+    # Ranges and operands are explicit (integer, non-differentiable) arguments: a
+    # custom_vjp must not close over tracers, or `scan`/`jit` leak them into the bwd.
+    @jax.custom_vjp
+    def run(qp, kp, vp, ranges, operands):
+        return forward(qp, kp, vp, ranges["fwd"], operands)[0]
+
+    def run_fwd(qp, kp, vp, ranges, operands):
+        o, lse = forward(qp, kp, vp, ranges["fwd"], operands)
+        return o, (qp, kp, vp, o, lse, ranges, operands)
+
+    def run_bwd(residuals, do):
+        qp, kp, vp, o, lse, ranges, operands = residuals
+        *grads, doperands = backward(qp, kp, vp, o, lse, do, ranges, operands)
+        return (*grads, None, doperands)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(qp, kp, vp, ranges, operands)[:, :q_len, :, :v_dim]
+
+
+def check_pallas(name: str, config_type: type, config, device: DeviceInfo, needs: str):
+    """The config's type, and where the kernel runs: the GPU, or the CPU in interpret mode."""
+    if config is not None and not isinstance(config, config_type):
+        raise TypeError(f"implementation={name!r} takes a {config_type.__name__}, got {config!r}")
+    if not device.is_gpu and not (config is not None and config.interpret):
+        return f"{needs}; on the CPU pass config={config_type.__name__}(interpret=True)"
+    return None
