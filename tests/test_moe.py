@@ -85,11 +85,11 @@ def dense_moe(moe: MoE, x):
 
 
 def make_moe(key, dispatch="xla", **kwargs):
-    config = GMM_CFG if dispatch == "triton" else None
+    config = GMM_CFG if dispatch in ("triton", "fused_gsum") else None
     return MoE(16, 24, num_experts=4, dispatch=dispatch, dispatch_config=config, key=key, **kwargs)
 
 
-@pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton"])
+@pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton", "fused_gsum"])
 @pytest.mark.parametrize(
     "kwargs",
     [dict(top_k=2), dict(top_k=1, router_type="sigmoid", shared_d_ff=8), dict(top_k=3)],
@@ -165,13 +165,14 @@ def test_unbatched_token_jit_and_scan_over_layers(getkey):
 
 
 def test_dispatch_errors_name_the_reason(getkey):
-    with pytest.raises(ValueError, match="fused gather / weighted-sum dispatch is not built"):
-        make_moe(getkey(), "fused_gsum")
+    with pytest.raises(ValueError, match="Mosaic GPU grouped matmul is not built"):
+        moe_module.resolve_dispatch("mosaic")
     with pytest.raises(ValueError, match="unknown dispatch='dense'"):
         moe_module.resolve_dispatch("dense")
     with pytest.raises(ValueError, match="top_k=5"):
         MoE(8, 8, num_experts=4, top_k=5, key=getkey())
-    moe = MoE(16, 24, num_experts=4, dispatch="triton", key=getkey())
-    if jax.devices()[0].platform == "cpu":
-        with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
-            moe(jnp.zeros((4, 16)))
+    for dispatch in ("triton", "fused_gsum"):
+        moe = MoE(16, 24, num_experts=4, dispatch=dispatch, key=getkey())
+        if jax.devices()[0].platform == "cpu":
+            with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
+                moe(jnp.zeros((4, 16)))

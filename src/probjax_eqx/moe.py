@@ -12,8 +12,11 @@ weights. The grouped matmul is its own op with a backend registry:
 | `"triton"`     | our Pallas Triton grouped matmul, dLHS and transposed dRHS      |
 
 `dispatch=` picks the mode: `"sorted"`/`"auto"` (the registry's grouped matmul for the
-device), `"xla"`, `"triton"`, or `"pallas"` (our Pallas kernels: Triton today). The
-`"fused_gsum"` and `"mosaic"` modes are not built yet and say so.
+device), `"xla"`, `"triton"`, `"pallas"` (our Pallas kernels: Triton today), or
+`"fused_gsum"`, which never forms the `N * K x d_model` copies: the first grouped matmul
+gathers token rows inside the kernel and the second adds each row, scaled by its router
+weight, into its token's output (atomics), in the backward as in the forward. The
+`"mosaic"` mode is not built yet and says so.
 """
 
 import dataclasses
@@ -27,12 +30,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
 from probjax_eqx.kernels import _flash
-from probjax_eqx.kernels.triton.grouped_matmul import (
-    TritonGroupedMatmulConfig,
-)
-from probjax_eqx.kernels.triton.grouped_matmul import (
-    grouped_matmul as triton_grouped_matmul,
-)
+from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
+from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +84,7 @@ class TritonGroupedMatmul:
         return TritonGroupedMatmulConfig(interpret=not device.is_gpu)
 
     def __call__(self, lhs, rhs, group_sizes, *, config):
-        return triton_grouped_matmul(lhs, rhs, group_sizes, config=config)
+        return triton_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
 
 
 _IMPLEMENTATIONS = {"xla": XlaGroupedMatmul(), "triton": TritonGroupedMatmul()}
@@ -150,10 +149,8 @@ Dispatch = Literal["auto", "sorted", "xla", "triton", "pallas", "fused_gsum", "m
 # dispatch mode -> grouped-matmul implementation requested from the registry
 _DISPATCH_TO_GMM = {"auto": None, "sorted": None, "xla": "xla", "triton": "triton"}
 _DISPATCH_TO_GMM["pallas"] = "triton"  # Mosaic grouped matmuls are not built yet
-_NOT_BUILT = {
-    "fused_gsum": "the fused gather / weighted-sum dispatch is not built yet",
-    "mosaic": "the Mosaic GPU grouped matmul is not built yet",
-}
+_DISPATCH_TO_GMM["fused_gsum"] = "triton"  # its gather / scatter live in the Triton kernels
+_NOT_BUILT = {"mosaic": "the Mosaic GPU grouped matmul is not built yet"}
 
 
 def resolve_dispatch(dispatch: str = "auto", *, device: DeviceInfo | None = None) -> Backend:
@@ -227,6 +224,7 @@ class MoE(eqx.Module):
     normalize_weights: bool = eqx.field(static=True)
     compute_dtype: str | None = eqx.field(static=True)
     dispatch: Backend = eqx.field(static=True)
+    dispatch_mode: str = eqx.field(static=True)
     dispatch_config: object = eqx.field(static=True)
 
     def __init__(
@@ -279,6 +277,7 @@ class MoE(eqx.Module):
         self.normalize_weights = normalize_weights
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self.dispatch = resolve_dispatch(dispatch)
+        self.dispatch_mode = dispatch
         self.dispatch_config = dispatch_config
 
     @property
@@ -320,14 +319,30 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
         group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
-        xs = x.astype(dtype)[token_of]
         w = lambda p: p.astype(dtype)  # noqa: E731
+        if self.dispatch_mode == "fused_gsum":
+            return self._fused_gsum(
+                x.astype(dtype), token_of, weights.reshape(-1)[order], group_sizes
+            )
+        xs = x.astype(dtype)[token_of]
         h = jax.nn.silu(self._gmm(xs, w(self.w_gate), group_sizes)) * self._gmm(
             xs, w(self.w_up), group_sizes
         )
         ys = self._gmm(h, w(self.w_down), group_sizes).astype(jnp.float32)
         ys = ys * weights.reshape(-1)[order][:, None]
         return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
+
+    def _fused_gsum(self, x, token_of, sorted_weights, group_sizes):
+        tokens, d_ff = x.shape[0], self.w_gate.shape[2]
+        config = self.explain(x).config  # validates the call and fills the Triton config
+        lay = triton_gmm.layout(group_sizes, token_of.shape[0], config.block_m)
+        rows = lay.tokens(token_of, tokens)
+        scale = lay.to_padded(sorted_weights[:, None])[:, 0]
+        w13 = jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(x.dtype)
+        h13 = triton_gmm.gather_matmul(x, w13, lay, rows, config=config)
+        h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff:]
+        w_down = self.w_down.astype(x.dtype)
+        return triton_gmm.matmul_scatter(h, w_down, scale, lay, rows, tokens, config=config)
 
     @jax.named_scope("probjax.MoE")
     def __call__(

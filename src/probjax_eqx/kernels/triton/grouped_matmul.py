@@ -54,17 +54,33 @@ def _round_up(n, m):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Where each sorted row lives in the group-aligned padded buffer."""
 
     dest: jax.Array  # [M] padded row of each row (`rows`, out of bounds, past the groups)
     tile_group: jax.Array  # [tiles] group of each row tile (0 for tiles past the end)
-    tile_used: jax.Array  # [tiles] whether the tile holds any group's rows
+    row_valid: jax.Array  # [rows] whether the padded row holds a real row
     group_tiles: tuple[jax.Array, jax.Array]  # per group: [first, end) row tiles
     rows: int  # static padded row count
 
+    def to_padded(self, x, cols: int | None = None):
+        """`[M, c]` rows -> `[rows, cols]` in the padded layout (zeros elsewhere)."""
+        cols = x.shape[1] if cols is None else cols
+        buf = jnp.zeros((self.rows, cols) + x.shape[2:], x.dtype)
+        return buf.at[self.dest, : x.shape[1]].set(x, mode="drop")
 
-def _layout(group_sizes, m: int, block: int) -> _Layout:
+    def tokens(self, token_of_row, n_tokens: int):
+        """`[rows]` token of each padded row; padding rows get the spare row `n_tokens`."""
+        full = jnp.full((self.rows,), n_tokens, jnp.int32)
+        return full.at[self.dest].set(token_of_row.astype(jnp.int32), mode="drop")
+
+    def from_padded(self, x, cols: int):
+        """The rows of `x` in sorted order (zeros for rows past the groups)."""
+        return jnp.take(x[:, :cols], self.dest, axis=0, mode="fill", fill_value=0)
+
+
+def layout(group_sizes, m: int, block: int) -> Layout:
+    """The padded layout of `m` rows sorted into groups of `group_sizes` rows."""
     groups = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
@@ -80,81 +96,164 @@ def _layout(group_sizes, m: int, block: int) -> _Layout:
     tile_start = jnp.arange(rows // block, dtype=jnp.int32) * block
     padded_ends = padded_starts + padded
     tile_group = jnp.searchsorted(padded_ends, tile_start, side="right").astype(jnp.int32)
-    tile_used = tile_group < groups
+    tile_group = jnp.where(tile_group < groups, tile_group, 0)
+    valid = jnp.zeros((rows,), bool).at[dest].set(True, mode="drop")
     first, end = padded_starts // block, padded_ends // block
-    return _Layout(dest, jnp.where(tile_used, tile_group, 0), tile_used, (first, end), rows)
+    return Layout(dest, tile_group, valid, (first, end), rows)
 
 
-def _matmul_kernel(group_ref, used_ref, lhs_ref, rhs_ref, out_ref, *, block_k, transpose_rhs):
+def _params(cfg):
+    return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _matmul_kernel(*refs, block_k, transpose_rhs, gather, scatter):
+    group_ref, valid_ref, token_ref, scale_ref, lhs_ref, rhs_ref = refs[:6]
+    out_ref = refs[-1]
     g = group_ref[()]
+    valid = valid_ref[...]
+    tokens = token_ref[...]
     k_total = lhs_ref.shape[1]
 
     def body(step, acc):
         ks = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
-        a = lhs_ref[:, ks]
+        a = lhs_ref[tokens, ks] if gather else lhs_ref[:, ks]
         if transpose_rhs:
             return acc + plt.dot(a, rhs_ref[g, :, ks], trans_b=True)
         return acc + plt.dot(a, rhs_ref[g, ks, :])
 
-    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    bn = rhs_ref.shape[1] if transpose_rhs else rhs_ref.shape[2]
+    acc = jnp.zeros((valid.shape[0], bn), jnp.float32)
     acc = jax.lax.fori_loop(0, k_total // block_k, body, acc)
-    out_ref[...] = jnp.where(used_ref[()], acc, 0.0).astype(out_ref.dtype)
+    acc = jnp.where(valid[:, None], acc * scale_ref[...][:, None], 0.0)
+    if scatter:  # each row adds into its token's row (padding rows: the spare last row)
+        cols = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
+        plt.atomic_add(out_ref, (tokens[:, None], cols[None, :]), acc)
+    else:
+        out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _matmul(lhs_p, rhs_p, layout: _Layout, cfg: TritonGroupedMatmulConfig, *, transpose_rhs):
-    """Padded `[rows, K] x [G, K, N]` (or `[G, N, K]` transposed) -> `[rows, N]`."""
-    rows, k = lhs_p.shape
-    n = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    groups = rhs_p.shape[0]
+def _matmul(
+    lhs,
+    rhs,
+    lay: Layout,
+    cfg,
+    *,
+    transpose_rhs,
+    tokens=None,
+    gather=False,
+    scale=None,
+    scatter=None,
+):
+    """Padded-layout grouped matmul `[rows, K] x [G, K, N]` (`[G, N, K]` transposed).
+
+    `tokens` ([rows], from `Layout.tokens`) maps padded rows to token rows: with `gather`
+    the lhs rows come from a `[n_tokens + 1, K]` matrix (last row zero); with
+    `scatter=n_tokens` each output row is added into its token's row of a float32
+    `[n_tokens, N]` result. `scale` ([rows]) scales output rows. Within a tile the tokens
+    are distinct (a token visits an expert once), so the atomic adds never collide there.
+    """
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    groups = rhs.shape[0]
     bm, bn = cfg.block_m, cfg.block_n
     rhs_block = (groups, bn, k) if transpose_rhs else (groups, k, bn)
     rhs_index = (lambda t, j: (0, j, 0)) if transpose_rhs else (lambda t, j: (0, 0, j))
-    return pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=cfg.block_k, transpose_rhs=transpose_rhs),
-        grid=(rows // bm, n // bn),
-        in_specs=[
-            pl.BlockSpec((None,), lambda t, j: (t,)),
-            pl.BlockSpec((None,), lambda t, j: (t,)),
-            pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
-            pl.BlockSpec(rhs_block, rhs_index),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), lhs_p.dtype),
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    tokens = jnp.zeros((lay.rows,), jnp.int32) if tokens is None else tokens
+    scale = jnp.ones((lay.rows,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    row = pl.BlockSpec((bm,), lambda t, j: (t,))
+    in_specs = [
+        pl.BlockSpec((None,), lambda t, j: (t,)),
+        row,
+        row,
+        row,
+        pl.BlockSpec((lhs.shape[0], k), lambda t, j: (0, 0))
+        if gather
+        else pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
+        pl.BlockSpec(rhs_block, rhs_index),
+    ]
+    operands = [lay.tile_group, lay.row_valid, tokens, scale, lhs, rhs]
+    if scatter is None:
+        out_spec = pl.BlockSpec((bm, bn), lambda t, j: (t, j))
+        out_shape = jax.ShapeDtypeStruct((lay.rows, n), lhs.dtype)
+        aliases = {}
+    else:
+        out_spec = pl.BlockSpec((scatter + 1, n), lambda t, j: (0, 0))
+        out_shape = jax.ShapeDtypeStruct((scatter + 1, n), jnp.float32)
+        in_specs.append(out_spec)
+        operands.append(jnp.zeros((scatter + 1, n), jnp.float32))
+        aliases = {len(operands) - 1: 0}
+    out = pl.pallas_call(
+        functools.partial(
+            _matmul_kernel,
+            block_k=cfg.block_k,
+            transpose_rhs=transpose_rhs,
+            gather=gather,
+            scatter=scatter is not None,
+        ),
+        grid=(lay.rows // bm, n // bn),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=_params(cfg),
         interpret=cfg.interpret,
         name="probjax_grouped_matmul_triton",
-    )(layout.tile_group, layout.tile_used, lhs_p, rhs_p)
+    )(*operands)
+    return out if scatter is None else out[:scatter]
 
 
-def _tgmm_kernel(first_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m):
+def _tgmm_kernel(*refs, block_m, gather_a, gather_b):
+    first_ref, end_ref, valid_ref, tokens_ref, scale_ref, a_ref, b_ref, out_ref = refs
+
     def body(tile, acc):
         rows = pl.ds(pl.multiple_of(tile * block_m, block_m), block_m)
-        return acc + plt.dot(lhs_ref[rows, :], dout_ref[rows, :], trans_a=True)
+        tokens = tokens_ref[rows]
+        a = a_ref[tokens, :] if gather_a else a_ref[rows, :]
+        b = b_ref[tokens, :] if gather_b else b_ref[rows, :]
+        keep = valid_ref[rows][:, None]
+        b = jnp.where(keep, b.astype(jnp.float32) * scale_ref[rows][:, None], 0.0)
+        return acc + plt.dot(a, b.astype(a.dtype), trans_a=True)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
     out_ref[...] = jax.lax.fori_loop(first_ref[()], end_ref[()], body, acc)
 
 
-def _transposed_matmul(lhs_p, dout_p, layout: _Layout, groups: int, cfg):
-    """`[G, K, N]` with `out[g] = lhs_g^T @ dout_g` over the padded rows of group g."""
-    rows, k = lhs_p.shape
-    n = dout_p.shape[1]
+def _transposed_matmul(a, b, lay: Layout, groups: int, cfg, *, tokens=None, gather="", scale=None):
+    """`[G, K, N]` with `out[g] = a_g^T @ (scale * b_g)` over the padded rows of group g.
+
+    `gather` names the operands (`"a"`, `"b"`) whose rows come from a `[tokens, .]`
+    matrix through `tokens` instead of the padded layout.
+    """
+    k, n = a.shape[1], b.shape[1]
     bk, bn = cfg.block_k, cfg.block_n
+    tokens = jnp.zeros((lay.rows,), jnp.int32) if tokens is None else tokens
+    scale = jnp.ones((lay.rows,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    whole = pl.BlockSpec((lay.rows,), lambda g, i, j: (0,))
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, block_m=cfg.block_m),
+        functools.partial(
+            _tgmm_kernel, block_m=cfg.block_m, gather_a="a" in gather, gather_b="b" in gather
+        ),
         grid=(groups, k // bk, n // bn),
         in_specs=[
             pl.BlockSpec((None,), lambda g, i, j: (g,)),
             pl.BlockSpec((None,), lambda g, i, j: (g,)),
-            pl.BlockSpec((rows, bk), lambda g, i, j: (0, i)),
-            pl.BlockSpec((rows, bn), lambda g, i, j: (0, j)),
+            whole,
+            whole,
+            whole,
+            pl.BlockSpec((a.shape[0], bk), lambda g, i, j: (0, i)),
+            pl.BlockSpec((b.shape[0], bn), lambda g, i, j: (0, j)),
         ],
         out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=_params(cfg),
         interpret=cfg.interpret,
         name="probjax_transposed_grouped_matmul_triton",
-    )(*layout.group_tiles, lhs_p, dout_p)
+    )(*lay.group_tiles, lay.row_valid, tokens, scale, a, b)
+
+
+def _with_spare_row(x, cols):
+    """`[n, c]` -> `[n + 1, cols]`: zero columns and the zero row padding rows gather."""
+    return jnp.pad(x, ((0, 1), (0, cols - x.shape[1])))
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
@@ -165,31 +264,93 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
     # K and N are each a contraction axis in one kernel and a tiled axis in another.
     step = max(cfg.block_k, cfg.block_n)
     k_pad, n_pad = _round_up(k, step), _round_up(n, step)
-    layout = _layout(group_sizes, m, cfg.block_m)
-
-    def to_padded(x, cols):
-        buf = jnp.zeros((layout.rows, cols), x.dtype)
-        return buf.at[layout.dest, : x.shape[1]].set(x, mode="drop")
-
-    def from_padded(x, cols):
-        return jnp.take(x[:, :cols], layout.dest, axis=0, mode="fill", fill_value=0)
-
+    lay = layout(group_sizes, m, cfg.block_m)
     rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
 
     @jax.custom_vjp
     def run(lhs, rhs_p):
-        out = _matmul(to_padded(lhs, k_pad), rhs_p, layout, cfg, transpose_rhs=False)
-        return from_padded(out, n)
+        out = _matmul(lay.to_padded(lhs, k_pad), rhs_p, lay, cfg, transpose_rhs=False)
+        return lay.from_padded(out, n)
 
     def run_fwd(lhs, rhs_p):
         return run(lhs, rhs_p), (lhs, rhs_p)
 
     def run_bwd(residuals, dout):
         lhs, rhs_p = residuals
-        dout_p = to_padded(dout.astype(lhs.dtype), n_pad)
-        dlhs = from_padded(_matmul(dout_p, rhs_p, layout, cfg, transpose_rhs=True), k)
-        drhs = _transposed_matmul(to_padded(lhs, k_pad), dout_p, layout, groups, cfg)
+        dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
+        dlhs = lay.from_padded(_matmul(dout_p, rhs_p, lay, cfg, transpose_rhs=True), k)
+        drhs = _transposed_matmul(lay.to_padded(lhs, k_pad), dout_p, lay, groups, cfg)
         return dlhs.astype(lhs.dtype), drhs.astype(rhs_p.dtype)
 
     run.defvjp(run_fwd, run_bwd)
     return run(lhs, rhs_p)
+
+
+def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulConfig):
+    """`out[r] = x[tokens[r]] @ rhs[g(r)]` in the padded layout, gathering inside the kernel.
+
+    `x` is `[n_tokens, K]`; `tokens` comes from `Layout.tokens`. The
+    backward adds each row's dX into its token (atomics) and never forms the gathered copy.
+    """
+    cfg = config
+    n_tokens, k = x.shape
+    groups, _, n = rhs.shape
+    step = max(cfg.block_k, cfg.block_n)
+    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
+    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+
+    @jax.custom_vjp
+    def run(x_p, rhs_p):
+        return _matmul(x_p, rhs_p, lay, cfg, transpose_rhs=False, tokens=tokens, gather=True)
+
+    def run_fwd(x_p, rhs_p):
+        return run(x_p, rhs_p), (x_p, rhs_p)
+
+    def run_bwd(residuals, dout):
+        x_p, rhs_p = residuals
+        dout = dout.astype(x_p.dtype)
+        dx = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, scatter=n_tokens)
+        dx = jnp.pad(dx, ((0, 1), (0, 0)))  # the spare row's cotangent (dropped)
+        dw = _transposed_matmul(x_p, dout, lay, groups, cfg, tokens=tokens, gather="a")
+        return dx.astype(x_p.dtype), dw.astype(rhs_p.dtype)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(_with_spare_row(x, k_pad), rhs_p)[:, :n]
+
+
+def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config):
+    """`out[t] = sum_{r: tokens[r] = t} scale[r] * h[r] @ rhs[g(r)]`, float32 `[n_tokens, N]`.
+
+    `h` is in the padded layout. The weighted sum over each token's rows happens in the
+    kernel's output path (atomic adds); differentiable in `h`, `rhs` and `scale`.
+    """
+    cfg = config
+    _, k = h.shape
+    groups, _, n = rhs.shape
+    step = max(cfg.block_k, cfg.block_n)
+    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
+    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+
+    @jax.custom_vjp
+    def run(h_p, rhs_p, scale):
+        return _matmul(
+            h_p, rhs_p, lay, cfg, transpose_rhs=False, tokens=tokens, scale=scale, scatter=n_tokens
+        )
+
+    def run_fwd(h_p, rhs_p, scale):
+        return run(h_p, rhs_p, scale), (h_p, rhs_p, scale)
+
+    def run_bwd(residuals, dout):
+        h_p, rhs_p, scale = residuals
+        dout = _with_spare_row(dout.astype(h_p.dtype), dout.shape[1])
+        # g[r] = dout[tokens[r]] @ rhs[g]^T, gathered inside the kernel.
+        g = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, gather=True)
+        dh = (g.astype(jnp.float32) * scale[:, None]).astype(h_p.dtype)
+        dscale = jnp.sum(h_p.astype(jnp.float32) * g.astype(jnp.float32), axis=1)
+        dscale = jnp.where(lay.row_valid, dscale, 0.0)
+        dw = _transposed_matmul(h_p, dout, lay, groups, cfg, tokens=tokens, gather="b", scale=scale)
+        return dh, dw.astype(rhs_p.dtype), dscale.astype(scale.dtype)
+
+    run.defvjp(run_fwd, run_bwd)
+    h_p = jnp.pad(h, ((0, 0), (0, k_pad - k)))
+    return run(h_p, rhs_p, scale.astype(jnp.float32))[:, :n]
