@@ -19,7 +19,7 @@ from probjax_eqx import MoE
 LAYERS = [(1024, 2048, 8, 2), (1024, 512, 64, 8)]
 FULL = dict(tokens=[16_384, 131_072, 1_048_576], layer=LAYERS)
 QUICK = dict(tokens=[64], layer=[(32, 48, 4, 2)])
-MODES = ("auto", "xla", "triton", "fused_gsum")
+MODES = ("auto", "xla", "triton", "mosaic", "pallas", "fused_gsum")
 BF16_ATOL = 6e-2
 
 

@@ -9,10 +9,14 @@ import pytest
 from _tolerance import assert_close
 from probjax_eqx import MoE, UnsupportedError, grouped_matmul
 from probjax_eqx import moe as moe_module
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
 from probjax_eqx.moe import explain_grouped_matmul
 
 GMM_CFG = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
+MOSAIC_CFG = MosaicGroupedMatmulConfig(block_n=64, interpret=True)
+H200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
 
 
 def dense_grouped_matmul(lhs, rhs, sizes):
@@ -63,6 +67,44 @@ def test_grouped_matmul_refusals_and_choice(getkey):
     if jax.devices()[0].platform == "cpu":
         assert choice.kernel == "xla"
         assert "needs a GPU" in dict(choice.rejected)["triton"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype):
+    m, k, n = 100, 72, 80  # K, N off the 64-wide tiles; one group empty
+    sizes = jnp.array([30, 0, 65])
+    # O(1) outputs, as the tolerances assume (the interpreter rounds each wgmma's products
+    # to the operand dtype before accumulating; the GPU accumulates in float32).
+    lhs = jax.random.normal(getkey(), (m, k)).astype(dtype)
+    rhs = (jax.random.normal(getkey(), (3, k, n)) / k**0.5).astype(dtype)
+    ct = jax.random.normal(getkey(), (m, n)) / 8**0.5
+    f = lambda a, b: grouped_matmul(a, b, sizes, implementation="mosaic", config=MOSAIC_CFG)
+    out = f(lhs, rhs)
+    assert_close(out, dense_grouped_matmul(lhs, rhs, sizes), dtype, err_msg="out")
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
+    ref = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision="highest")  # noqa: E731
+    got = jax.grad(loss(f), (0, 1))(lhs, rhs)
+    want = jax.grad(loss(ref), (0, 1))(up(lhs), up(rhs))
+    for name, a, b in zip(("dlhs", "drhs"), got, want):
+        assert_close(a, b, dtype, grad=True, err_msg=name)
+
+
+def test_dispatch_resolution_on_simulated_sm90():
+    shapes = (
+        jax.ShapeDtypeStruct((64, 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 32, 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    pallas = moe_module.resolve_dispatch("pallas", device=H200, environ={})
+    assert pallas.priority == ("mosaic", "triton")
+    assert explain_grouped_matmul(*shapes, implementation=pallas).kernel == "mosaic"
+    f32 = [jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in shapes[:2]] + [shapes[2]]
+    choice = explain_grouped_matmul(*f32, implementation=pallas)
+    assert choice.kernel == "triton"
+    assert "16-bit operands" in dict(choice.rejected)["mosaic"]
+    auto = moe_module.resolve_dispatch("auto", device=H200, environ={})
+    assert auto.priority == ("mosaic", "triton", "xla")
 
 
 def dense_moe(moe: MoE, x):
@@ -165,8 +207,6 @@ def test_unbatched_token_jit_and_scan_over_layers(getkey):
 
 
 def test_dispatch_errors_name_the_reason(getkey):
-    with pytest.raises(ValueError, match="Mosaic GPU grouped matmul is not built"):
-        moe_module.resolve_dispatch("mosaic")
     with pytest.raises(ValueError, match="unknown dispatch='dense'"):
         moe_module.resolve_dispatch("dense")
     with pytest.raises(ValueError, match="top_k=5"):

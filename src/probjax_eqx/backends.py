@@ -13,7 +13,7 @@ Registry rules (in priority order, first supported wins):
 | op        | `sm_90` (H100/H200)              | `generic` (other GPUs, CPU) |
 |-----------|----------------------------------|-----------------------------|
 | attention | cudnn, mosaic, triton, xla       | triton, xla                 |
-| grouped_matmul | triton, xla                 | triton, xla                 |
+| grouped_matmul | mosaic, triton, xla         | triton, xla                 |
 
 Environment opt-outs, read when a `Backend` is built (never at call time):
 
@@ -44,7 +44,7 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         "generic": ("triton", "xla"),
     },
     "grouped_matmul": {
-        "sm_90": ("triton", "xla"),
+        "sm_90": ("mosaic", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
 }

@@ -10,13 +10,14 @@ weights. The grouped matmul is its own op with a backend registry:
 |----------------|----------------------------------------------------------------|
 | `"xla"`        | `jax.lax.ragged_dot` (the reference)                           |
 | `"triton"`     | our Pallas Triton grouped matmul, dLHS and transposed dRHS      |
+| `"mosaic"`     | our Pallas Mosaic GPU (wgmma + TMA) kernels, 16-bit, sm_90      |
 
 `dispatch=` picks the mode: `"sorted"`/`"auto"` (the registry's grouped matmul for the
-device), `"xla"`, `"triton"`, `"pallas"` (our Pallas kernels: Triton today), or
+device), `"xla"`, `"triton"`, `"mosaic"`, `"pallas"` (Mosaic for 16-bit compute on sm_90,
+else Triton), or
 `"fused_gsum"`, which never forms the `N * K x d_model` copies: the first grouped matmul
 gathers token rows inside the kernel and the second adds each row, scaled by its router
-weight, into its token's output (atomics), in the backward as in the forward. The
-`"mosaic"` mode is not built yet and says so.
+weight, into its token's output (atomics), in the backward as in the forward.
 """
 
 import dataclasses
@@ -30,6 +31,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
 from probjax_eqx.kernels import _flash
+from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
+from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
 
@@ -87,7 +90,34 @@ class TritonGroupedMatmul:
         return triton_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
 
 
-_IMPLEMENTATIONS = {"xla": XlaGroupedMatmul(), "triton": TritonGroupedMatmul()}
+@dataclasses.dataclass(frozen=True)
+class MosaicGroupedMatmul:
+    """Our Pallas Mosaic GPU grouped matmul (`kernels/mosaic/grouped_matmul.py`)."""
+
+    name: str = "mosaic"
+
+    def check(self, call: GroupedMatmulCall, device: DeviceInfo, config=None) -> str | None:
+        if call.dtype not in ("bfloat16", "float16"):
+            return f"dtype {call.dtype} not supported: wgmma here takes 16-bit operands"
+        why = _flash.check_pallas(
+            "mosaic", MosaicGroupedMatmulConfig, config, device, "Mosaic GPU needs an sm_90 GPU"
+        )
+        if why is None and device.is_gpu and device.compute_capability != "sm_90":
+            why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
+        return why
+
+    def default_config(self, call, device):
+        return MosaicGroupedMatmulConfig(interpret=not device.is_gpu)
+
+    def __call__(self, lhs, rhs, group_sizes, *, config):
+        return mosaic_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
+
+
+_IMPLEMENTATIONS = {
+    "xla": XlaGroupedMatmul(),
+    "triton": TritonGroupedMatmul(),
+    "mosaic": MosaicGroupedMatmul(),
+}
 register_op("grouped_matmul", lambda: _IMPLEMENTATIONS)
 
 
@@ -147,23 +177,30 @@ def explain_grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, config
 
 Dispatch = Literal["auto", "sorted", "xla", "triton", "pallas", "fused_gsum", "mosaic"]
 # dispatch mode -> grouped-matmul implementation requested from the registry
-_DISPATCH_TO_GMM = {"auto": None, "sorted": None, "xla": "xla", "triton": "triton"}
-_DISPATCH_TO_GMM["pallas"] = "triton"  # Mosaic grouped matmuls are not built yet
-_DISPATCH_TO_GMM["fused_gsum"] = "triton"  # its gather / scatter live in the Triton kernels
-_NOT_BUILT = {"mosaic": "the Mosaic GPU grouped matmul is not built yet"}
+_DISPATCH_TO_GMM = {
+    "auto": None,
+    "sorted": None,
+    "xla": "xla",
+    "triton": "triton",
+    "mosaic": "mosaic",
+    "pallas": "pallas",  # the registry's list without XLA: Mosaic for 16-bit on sm_90
+    "fused_gsum": "triton",  # its gather / scatter live in the Triton kernels
+}
 
 
-def resolve_dispatch(dispatch: str = "auto", *, device: DeviceInfo | None = None) -> Backend:
+def resolve_dispatch(
+    dispatch: str = "auto", *, device: DeviceInfo | None = None, environ=None
+) -> Backend:
     """The grouped-matmul `Backend` a dispatch mode runs on (read once, at construction)."""
-    if dispatch in _NOT_BUILT:
-        raise ValueError(
-            f"dispatch={dispatch!r}: {_NOT_BUILT[dispatch]}; use one of {sorted(_DISPATCH_TO_GMM)}"
-        )
     if dispatch not in _DISPATCH_TO_GMM:
         raise ValueError(
             f"unknown dispatch={dispatch!r}; expected one of {sorted(_DISPATCH_TO_GMM)}"
         )
-    return resolve("grouped_matmul", _DISPATCH_TO_GMM[dispatch], device=device)
+    requested = _DISPATCH_TO_GMM[dispatch]
+    if requested != "pallas":
+        return resolve("grouped_matmul", requested, device=device, environ=environ)
+    auto = resolve("grouped_matmul", None, device=device, environ=environ)
+    return dataclasses.replace(auto, priority=tuple(n for n in auto.priority if n != "xla"))
 
 
 class MoEAux(eqx.Module):

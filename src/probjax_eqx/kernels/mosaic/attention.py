@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
+from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
 from probjax_eqx.kernels.mosaic._compat import (
     ACC,
     COMPILER_PARAMS,
@@ -131,12 +132,6 @@ class _Static:
     @property
     def ctx(self) -> MaskContext:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
-
-
-def _swizzled(shape, dtype):
-    return plgpu.SMEM(
-        shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    )
 
 
 def _mask_of(st: _Static, rebuild, op_refs, b, h):
@@ -280,12 +275,12 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
     batch, _, heads, _ = q.shape
     dtype, stages, bq, bk = q.dtype, cfg.num_stages, cfg.block_q, cfg.block_k
     scratch = [
-        _swizzled((2, bq, st.d), dtype),
-        _swizzled((stages, st.d, bk), dtype),
-        _swizzled((stages, bk, st.dv), dtype),
-        _swizzled((2, bq, bk), dtype),
+        swizzled((2, bq, st.d), dtype),
+        swizzled((stages, st.d, bk), dtype),
+        swizzled((stages, bk, st.dv), dtype),
+        swizzled((2, bq, bk), dtype),
         plgpu.SMEM((2, bq), jnp.float32),
-        *([_swizzled((2, bq, st.dv), dtype)] if st.dv != st.d else []),
+        *([swizzled((2, bq, st.dv), dtype)] if st.dv != st.d else []),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
@@ -306,23 +301,6 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
         compiler_params=COMPILER_PARAMS,
         interpret=InterpretGPUParams() if cfg.interpret else None,
     )(q, kt, v, *ranges, *operands)
-
-
-def _prefetching_loop(count, issue, wait):
-    """Issue step 0's copies now; `prefetch(n)` issues step n + 1's before step n runs."""
-
-    @pl.when(count > 0)
-    def _():
-        issue(0)
-
-    def prefetch(n):
-        @pl.when(n + 1 < count)
-        def _():
-            issue(n + 1)
-
-        wait(n)
-
-    return prefetch
 
 
 def _dkv_kernel(*refs, st, rebuild):
@@ -371,7 +349,7 @@ def _dkv_kernel(*refs, st, rebuild):
         for k in range(len(sources)):
             plgpu.barrier_wait(bars.at[k * stages + slot])
 
-    prefetch = _prefetching_loop(count, issue, wait)
+    prefetch = prefetching_loop(count, issue, wait)
 
     def accumulate(dk_acc, dv_acc):
         def body(i, carry, masked):
@@ -444,7 +422,7 @@ def _dq_kernel(*refs, st, rebuild):
         for k in range(3):
             plgpu.barrier_wait(bars.at[k * stages + slot])
 
-    prefetch = _prefetching_loop(count, issue, wait)
+    prefetch = prefetching_loop(count, issue, wait)
     lse, delta = lse_smem[...], delta_smem[...]
 
     def accumulate(dq_acc):
@@ -494,16 +472,16 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.dv), dtype),
         ),
         scratch_types=[
-            _swizzled((bk, st.d), dtype),
-            _swizzled((bk, st.dv), dtype),
-            _swizzled((stages, bq, st.d), dtype),
-            _swizzled((stages, st.d, bq), dtype),
-            _swizzled((stages, bq, st.dv), dtype),
-            _swizzled((stages, st.dv, bq), dtype),
+            swizzled((bk, st.d), dtype),
+            swizzled((bk, st.dv), dtype),
+            swizzled((stages, bq, st.d), dtype),
+            swizzled((stages, st.d, bq), dtype),
+            swizzled((stages, bq, st.dv), dtype),
+            swizzled((stages, st.dv, bq), dtype),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
-            _swizzled((bk, bq), dtype),
-            _swizzled((bk, bq), dtype),
+            swizzled((bk, bq), dtype),
+            swizzled((bk, bq), dtype),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
             plgpu.Barrier(num_arrivals=1, num_barriers=6 * stages),
         ],
@@ -521,14 +499,14 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         functools.partial(_dq_kernel, st=st, rebuild=rebuild),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[
-            _swizzled((bq, st.d), dtype),
-            _swizzled((bq, st.dv), dtype),
+            swizzled((bq, st.d), dtype),
+            swizzled((bq, st.dv), dtype),
             plgpu.SMEM((bq,), jnp.float32),
             plgpu.SMEM((bq,), jnp.float32),
-            _swizzled((stages, st.d, bk), dtype),
-            _swizzled((stages, bk, st.d), dtype),
-            _swizzled((stages, st.dv, bk), dtype),
-            _swizzled((bq, bk), dtype),
+            swizzled((stages, st.d, bk), dtype),
+            swizzled((stages, bk, st.d), dtype),
+            swizzled((stages, st.dv, bk), dtype),
+            swizzled((bq, bk), dtype),
             plgpu.Barrier(num_arrivals=1, num_barriers=4),
             plgpu.Barrier(num_arrivals=1, num_barriers=3 * stages),
         ],

@@ -1,0 +1,209 @@
+"""Pallas Mosaic GPU grouped matmul for Hopper (16-bit operands, float32 accumulation).
+
+The same group-aligned padded layout as the Triton kernels (`triton.grouped_matmul.layout`):
+every row tile belongs to one group. Two kernels, both `wgmma` on TMA-fed shared memory
+with the next step's tiles prefetched while the current step computes:
+
+- grouped matmul `[rows, K] x [G, K, N]`: grid (row tile, column tile), K loop; dLHS is
+  the same kernel on `rhs` transposed per group (an XLA transpose: wgmma reads its B
+  operand untransposed, and jax 0.10's interpreter runs no transposed views);
+- transposed grouped matmul `out[g] = lhs_g^T @ dout_g` for dRHS: grid (group, K tile,
+  N tile), looping over that group's row tiles only; `lhs^T` is passed transposed.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
+from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
+from probjax_eqx.kernels.triton.grouped_matmul import Layout, layout
+
+_TILE = 64  # wgmma rows per warpgroup; 64 16-bit elements per 128-byte swizzled row
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicGroupedMatmulConfig:
+    """Tiles of the Mosaic grouped matmul.
+
+    Attributes:
+        block_m: rows per tile (64: one warpgroup) and the alignment of every group.
+        block_n: output columns per tile (a multiple of 64).
+        block_k: contraction step (a multiple of 64).
+        num_stages: depth of the TMA ring.
+        interpret: run under the Mosaic GPU interpreter (CPU tests).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.block_m != _TILE:
+            raise ValueError(f"block_m={self.block_m} must be {_TILE} (one warpgroup)")
+        for field in ("block_n", "block_k"):
+            value = getattr(self, field)
+            if value < _TILE or value % _TILE:
+                raise ValueError(f"{field}={value} must be a positive multiple of {_TILE}")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _gmm_kernel(group_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg):
+    t, j = lax.axis_index("m"), lax.axis_index("n")
+    g = group_ref[t]
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    steps = lhs_ref.shape[1] // bk
+
+    def issue(n):
+        slot = lax.rem(n, stages)
+        ks = pl.ds(n * bk, bk)
+        plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(t * bm, bm), ks], a_smem.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(
+            rhs_ref.at[g, ks, pl.ds(j * bn, bn)], b_smem.at[slot], bars.at[stages + slot]
+        )
+
+    def wait(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(bars.at[slot])
+        plgpu.barrier_wait(bars.at[stages + slot])
+
+    prefetch = prefetching_loop(steps, issue, wait)
+
+    def accumulate(acc):
+        def body(n, carry):
+            prefetch(n)
+            slot = lax.rem(n, stages)
+            plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])
+            plgpu.wgmma_wait(0)  # before this slot is refilled
+            return carry
+
+        lax.fori_loop(0, steps, body, None)
+        return acc[...]
+
+    out = pl.run_scoped(accumulate, ACC((bm, bn), jnp.float32))
+    o_smem[...] = out.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
+    rows, _ = lhs_p.shape
+    n = rhs_p.shape[2]
+    dtype, stages = lhs_p.dtype, cfg.num_stages
+    return plgpu.kernel(
+        functools.partial(_gmm_kernel, cfg=cfg),
+        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
+        scratch_types=[
+            swizzled((stages, cfg.block_m, cfg.block_k), dtype),
+            swizzled((stages, cfg.block_k, cfg.block_n), dtype),
+            swizzled((cfg.block_m, cfg.block_n), out_dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+        ],
+        grid=(rows // cfg.block_m, n // cfg.block_n),
+        grid_names=("m", "n"),
+        compiler_params=COMPILER_PARAMS,
+        interpret=InterpretGPUParams() if cfg.interpret else None,
+    )(lay.tile_group, lhs_p, rhs_p)
+
+
+def _tgmm_kernel(first_ref, end_ref, lhst_ref, dout_ref, out_ref, a_smem, b_smem, o_smem, bars,
+                 *, cfg):  # fmt: skip
+    g, i, j = lax.axis_index("g"), lax.axis_index("k"), lax.axis_index("n")
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    first = first_ref[g]
+    count = end_ref[g] - first
+
+    def issue(n):
+        slot = lax.rem(n, stages)
+        rows = pl.ds((first + n) * bm, bm)
+        plgpu.copy_gmem_to_smem(
+            lhst_ref.at[pl.ds(i * bk, bk), rows], a_smem.at[slot], bars.at[slot]
+        )
+        plgpu.copy_gmem_to_smem(
+            dout_ref.at[rows, pl.ds(j * bn, bn)], b_smem.at[slot], bars.at[stages + slot]
+        )
+
+    def wait(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(bars.at[slot])
+        plgpu.barrier_wait(bars.at[stages + slot])
+
+    prefetch = prefetching_loop(count, issue, wait)
+
+    def accumulate(acc):
+        def body(n, carry):
+            prefetch(n)
+            slot = lax.rem(n, stages)
+            plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])
+            plgpu.wgmma_wait(0)
+            return carry
+
+        lax.fori_loop(0, count, body, None)
+        return acc[...]
+
+    out = pl.run_scoped(accumulate, ACC((bk, bn), jnp.float32))
+    o_smem[...] = out
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _tgmm(lhs_t, dout_p, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfig):
+    k, n = lhs_t.shape[0], dout_p.shape[1]
+    dtype, stages = lhs_t.dtype, cfg.num_stages
+    return plgpu.kernel(
+        functools.partial(_tgmm_kernel, cfg=cfg),
+        out_type=jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
+        scratch_types=[
+            swizzled((stages, cfg.block_k, cfg.block_m), dtype),
+            swizzled((stages, cfg.block_m, cfg.block_n), dtype),
+            plgpu.SMEM((cfg.block_k, cfg.block_n), jnp.float32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+        ],
+        grid=(groups, k // cfg.block_k, n // cfg.block_n),
+        grid_names=("g", "k", "n"),
+        compiler_params=COMPILER_PARAMS,
+        interpret=InterpretGPUParams() if cfg.interpret else None,
+    )(*lay.group_tiles, lhs_t, dout_p)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, config: MosaicGroupedMatmulConfig):
+    """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
+    m, k = lhs.shape
+    groups, _, n = rhs.shape
+    cfg = config
+    step = max(cfg.block_k, cfg.block_n)  # K and N each tile one kernel and contract another
+    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
+    lay = layout(group_sizes, m, cfg.block_m)
+    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+
+    @jax.custom_vjp
+    def run(lhs, rhs_p):
+        return lay.from_padded(_gmm(lay.to_padded(lhs, k_pad), rhs_p, lay, cfg, lhs.dtype), n)
+
+    def run_fwd(lhs, rhs_p):
+        return run(lhs, rhs_p), (lhs, rhs_p)
+
+    def run_bwd(residuals, dout):
+        lhs, rhs_p = residuals
+        dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
+        rhs_t = jnp.swapaxes(rhs_p, 1, 2)
+        dlhs = lay.from_padded(_gmm(dout_p, rhs_t, lay, cfg, lhs.dtype), k)
+        drhs = _tgmm(lay.to_padded(lhs, k_pad).T, dout_p, lay, groups, cfg)
+        return dlhs, drhs.astype(rhs_p.dtype)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(lhs, rhs_p)
