@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from probjax_eqx import UnsupportedError, explain, explain_attention, masks, resolve
+from probjax_eqx import UnsupportedError, biases, explain, explain_attention, masks, resolve
 from probjax_eqx.backends import DeviceInfo, detect_device
 
 H200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
@@ -63,14 +63,19 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     reasons = dict(choice.rejected)
     assert "dtype float32 not supported" in reasons["cudnn"]
     assert "dtype float32 not supported" in reasons["mosaic"]
-    # Without cuDNN, Mosaic takes what it computes; segment ids go on to Triton.
+    # Without cuDNN, Mosaic takes what it computes: segment ids too, which cuDNN lacks;
+    # score mods go on to Triton.
     no_cudnn = resolve("attention", device=H200, environ={"PROBJAX_ATTENTION_CUDNN": "0"})
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=no_cudnn)
     assert choice.kernel == "mosaic"
     segments = masks.Segments(jnp.zeros((2, 128), jnp.int32), sorted=True)
     choice = explain_attention(*shapes(), mask=segments, implementation=backend)
+    assert choice.kernel == "mosaic"
+    assert "mask 'segments' not supported" in dict(choice.rejected)["cudnn"]
+    soft = biases.SoftCap(30.0)
+    choice = explain_attention(*shapes(), score_mod=soft, implementation=backend)
     assert choice.kernel == "triton"
-    assert "segment ids are not in the Mosaic kernel" in dict(choice.rejected)["mosaic"]
+    assert "score_mod is not in the Mosaic kernel" in dict(choice.rejected)["mosaic"]
     # A dense mask is beyond every kernel: only XLA computes it.
     dense = masks.DenseMask(jnp.ones((1, 1, 128, 128), bool))
     choice = explain_attention(*shapes(), mask=dense, implementation=backend)

@@ -47,7 +47,8 @@ def test_auto_picks_cudnn_on_sm90():
     q, k, v = make_qkv(jax.random.key(0), q_len=128, kv_len=128, qk_dim=64, dtype=jnp.bfloat16)
     assert explain_attention(q, k, v, mask=masks.Causal()).kernel == "cudnn"
     seg = masks.Segments(jnp.zeros((2, 128), jnp.int32))
-    assert explain_attention(q, k, v, mask=seg).kernel == "triton"
+    assert explain_attention(q, k, v, mask=seg).kernel == "mosaic"
+    assert explain_attention(q, k, v, score_mod=lambda s, b, h, i, j: s).kernel == "triton"
 
 
 @pytest.mark.float32_matmul
@@ -173,6 +174,11 @@ MOSAIC_CASES = {
     "causal_bottom_right_unaligned": (masks.Causal("bottom_right"), 333, 517),
     "kv_lengths": (masks.KVLengths(jnp.array([700, 0])), 512, 1024),
     "causal_window": (masks.causal_local_window(200), 1024, 1024),
+    "segments": (
+        masks.Segments(jnp.repeat(jnp.arange(4), 256)[None].repeat(2, 0), sorted=True),
+        1024,
+        1024,
+    ),
 }
 
 

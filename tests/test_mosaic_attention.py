@@ -15,7 +15,7 @@ from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_at
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
 
 CFG = MosaicAttentionConfig(block_k=64, interpret=True)
-IN_KERNEL = sorted(set(MASKS) - {"segments"})
+IN_KERNEL = sorted(MASKS)
 
 
 def check(q, k, v, ct, mask=None, config=CFG):
@@ -63,9 +63,9 @@ def test_rows_without_keys_are_zero(getkey):
 
 def test_refusals_name_the_reason(getkey):
     q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
-    segments = MASKS["segments"]
-    with pytest.raises(UnsupportedError, match="segment ids are not in the Mosaic kernel"):
-        flex_attention(q, k, v, mask=segments, implementation="mosaic", config=CFG)
+    mask_fn = masks.MaskFn(lambda b, h, q, kv: (q + kv) % 2 == 0)
+    with pytest.raises(UnsupportedError, match="MaskFn is not in the Mosaic kernel"):
+        flex_attention(q, k, v, mask=mask_fn, implementation="mosaic", config=CFG)
     with pytest.raises(UnsupportedError, match="score_mod is not in the Mosaic kernel"):
         flex_attention(q, k, v, score_mod=biases.SoftCap(5.0), implementation="mosaic", config=CFG)
     with pytest.raises(UnsupportedError, match="dtype float32 not supported"):

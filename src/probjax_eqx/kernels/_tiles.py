@@ -58,6 +58,8 @@ class _TileSegments(masks.AbstractMask):
     kv_ids: Any
 
     def predicate(self, ctx, b, h, q, kv):
+        if jnp.ndim(self.q_ids) == 2:  # ids already broadcast to the score tile (Mosaic)
+            return self.q_ids == self.kv_ids
         return self.q_ids[:, None] == self.kv_ids[None, :]
 
     def kv_range(self, ctx, b, q_lo, q_hi):

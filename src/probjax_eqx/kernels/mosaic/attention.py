@@ -18,8 +18,10 @@ Masks run inside the kernels on the same tile ranges as the Triton kernels
 (`_tiles.block_ranges`): tiles a mask empties are neither loaded nor computed, tiles it
 leaves entirely valid skip mask evaluation, and a dK/dV program with no query tile stores
 zeros without running its pipeline. Rows without a valid key give zeros (log-sum-exp
-+inf). Mask arrays must be per-batch or per-head scalars (KV/Q lengths, prefix lengths);
-segment ids and score mods are not in this kernel yet and are refused with that reason.
++inf). Mask arrays are per-batch or per-head scalars (KV/Q lengths, prefix lengths), read from
+global memory, or segment ids, whose tiles TMA brings into shared memory beside the
+operands (the program's own ids once, the looped axis' ids per step). Score mods are not
+in this kernel yet and are refused with that reason.
 
 Exponentials use `exp2` on float32 scores without `approx_math`: the approximate `ex2`
 would put its error on rows with a single valid key (p = 1 exactly there), whose dQ/dK
@@ -134,9 +136,23 @@ class _Static:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
 
-def _mask_of(st: _Static, rebuild, op_refs, b, h):
-    values = [ref[b] if kind == "batch" else ref[h] for ref, kind in zip(op_refs, st.kinds)]
+def _mask_of(st: _Static, rebuild, op_refs, b, h, positional=None):
+    """The tile-local mask.
+
+    Scalars are read from GMEM; `positional[k]` is operand k's tile of ids, already
+    broadcast to the score tile's shape.
+    """
+    values = []
+    for k, (ref, kind) in enumerate(zip(op_refs, st.kinds)):
+        if kind in ("q_pos", "kv_pos"):
+            values.append(None if positional is None else positional[k])
+        else:
+            values.append(ref[b] if kind == "batch" else ref[h])
     return rebuild(values)
+
+
+def _positional(st: _Static, kind: str) -> list[int]:
+    return [k for k, x in enumerate(st.kinds) if x == kind]
 
 
 def _valid(st: _Static, mask, b, h, q_idx, kv_idx):
@@ -179,7 +195,13 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         o_smem = q_smem
     else:
         q_smem, kt_smem, v_smem, p_smem, lse_smem, o_smem, *bars = scratch
-    q_bar, k_bar, v_bar, k_free, v_free = bars
+    q_bar, k_bar, v_bar, k_free, v_free, *pos = bars
+    # Segment ids: per q_pos operand a [2, bq] buffer, per kv_pos operand a ring of [bk].
+    q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
+    q_ids = {k: (pos[2 * n], pos[2 * n + 1]) for n, k in enumerate(q_pos)}
+    kv_ids = {
+        k: (pos[2 * (len(q_pos) + n)], pos[2 * (len(q_pos) + n) + 1]) for n, k in enumerate(kv_pos)
+    }
     cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
     t, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -190,8 +212,11 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     def _compute():
         row0 = t * (2 * bq) + wg * bq
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[wg], q_bar.at[wg])
+        for k, (buf, bar) in q_ids.items():
+            plgpu.copy_gmem_to_smem(op_refs[k].at[b, pl.ds(row0, bq)], buf.at[wg], bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
-        mask = _mask_of(st, rebuild, op_refs, b, h)
+        for _, bar in q_ids.values():
+            plgpu.barrier_wait(bar.at[wg])
         shape = (bq, bk)
 
         def body(j, carry, masked):
@@ -201,7 +226,13 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             s = _dot(q_smem.at[wg], kt_smem.at[slot], shape)
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * (st.scale * LOG2E)
+            for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
+                plgpu.barrier_wait(bar.at[slot])
             if masked:
+                positional = {k: _rows(buf.at[wg][...], shape) for k, (buf, _) in q_ids.items()}
+                for k, (buf, _) in kv_ids.items():
+                    positional[k] = _cols(buf.at[slot][...], shape)
+                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
                 q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
                 s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
@@ -246,6 +277,9 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         def issue_v(n, slot):
             tile = pl.ds((lo + n) * bk, bk)
             plgpu.copy_gmem_to_smem(v_ref.at[b, tile, kv_h], v_smem.at[slot], v_bar.at[slot])
+            # Key ids ride with V: their slot is free once V's is (after the step's mask).
+            for k, (buf, bar) in kv_ids.items():
+                plgpu.copy_gmem_to_smem(op_refs[k].at[b, tile], buf.at[slot], bar.at[slot])
 
         for n in range(stages):
 
@@ -287,6 +321,13 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
+    for _ in _positional(st, "q_pos"):
+        scratch += [plgpu.SMEM((2, bq), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
+    for _ in _positional(st, "kv_pos"):
+        scratch += [
+            plgpu.SMEM((stages, bk), jnp.int32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        ]
     return plgpu.kernel(
         functools.partial(_fwd_kernel, st=st, rebuild=rebuild),
         out_type=(
@@ -310,7 +351,10 @@ def _dkv_kernel(*refs, st, rebuild):
     op_refs = refs[12 : 12 + n_ops]
     dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
     (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
-     kv_bar, bars) = refs[14 + n_ops :]  # fmt: skip
+     kv_bar, bars, *pos) = refs[14 + n_ops :]  # fmt: skip
+    # Segment ids: the program's own key ids, and a ring of query ids per step.
+    kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
+    own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
     cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages
     j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
@@ -319,17 +363,18 @@ def _dkv_kernel(*refs, st, rebuild):
     count = hi - lo
     keys = pl.ds(j * bk, bk)
     shape = (bk, bq)  # transposed scores: keys along rows
-    mask = _mask_of(st, rebuild, op_refs, b, h)
 
     @pl.when(count > 0)
     def _():
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_h], k_smem, kv_bar.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_h], v_smem, kv_bar.at[1])
-        plgpu.barrier_wait(kv_bar.at[0])
-        plgpu.barrier_wait(kv_bar.at[1])
+        copies = [(k_ref.at[b, keys, kv_h], k_smem), (v_ref.at[b, keys, kv_h], v_smem)]
+        copies += [(op_refs[k].at[b, keys], buf) for k, buf in zip(kv_pos, own_ids)]
+        for n, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[n])
+        for n in range(len(copies)):
+            plgpu.barrier_wait(kv_bar.at[n])
 
-    sources = (q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref)
-    buffers = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+    sources = (q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref, *(op_refs[k] for k in q_pos))
+    buffers = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, *step_ids)
 
     def view(src, n):
         rows = pl.ds((lo + n) * bq, bq)
@@ -337,6 +382,8 @@ def _dkv_kernel(*refs, st, rebuild):
             return src.at[b, h, :, rows]
         if src is lse_ref or src is delta_ref:
             return src.at[b, h, rows]
+        if len(src.shape) == 2:  # segment ids [batch, q_pad]
+            return src.at[b, rows]
         return src.at[b, rows, h]
 
     def issue(n):
@@ -360,6 +407,10 @@ def _dkv_kernel(*refs, st, rebuild):
             if masked:
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 0)
                 q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
+                positional = {k: _rows(buf[...], shape) for k, buf in zip(kv_pos, own_ids)}
+                for k, buf in zip(q_pos, step_ids):
+                    positional[k] = _cols(buf.at[slot][...], shape)
+                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
                 valid = _valid(st, mask, b, h, q_idx, kv_idx)
                 scores_t = jnp.where(valid, scores_t, -jnp.inf)
             pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
@@ -393,7 +444,10 @@ def _dq_kernel(*refs, st, rebuild):
     op_refs = refs[11 : 11 + n_ops]
     dq_ref = refs[11 + n_ops]
     (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
-     bars) = refs[12 + n_ops :]  # fmt: skip
+     bars, *pos) = refs[12 + n_ops :]  # fmt: skip
+    # Segment ids: the program's own query ids, and a ring of key ids per step.
+    q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
+    own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
     cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages
     i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
@@ -402,9 +456,9 @@ def _dq_kernel(*refs, st, rebuild):
     count = hi - lo
     rows = pl.ds(i * bq, bq)
     shape = (bq, bk)
-    mask = _mask_of(st, rebuild, op_refs, b, h)
     own = ((q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
-           (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem))  # fmt: skip
+           (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem),
+           *((op_refs[k].at[b, rows], buf) for k, buf in zip(q_pos, own_ids)))  # fmt: skip
     for k, (src, dst) in enumerate(own):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[k])
     for k in range(len(own)):
@@ -413,13 +467,14 @@ def _dq_kernel(*refs, st, rebuild):
     def issue(n):
         slot = lax.rem(n, stages)
         keys = pl.ds((lo + n) * bk, bk)
-        views = (kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys])
-        for k, (src, dst) in enumerate(zip(views, (kt_smem, k_smem, vt_smem))):
+        views = [kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys]]
+        views += [op_refs[k].at[b, keys] for k in kv_pos]
+        for k, (src, dst) in enumerate(zip(views, (kt_smem, k_smem, vt_smem, *step_ids))):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
 
     def wait(n):
         slot = lax.rem(n, stages)
-        for k in range(3):
+        for k in range(3 + len(kv_pos)):
             plgpu.barrier_wait(bars.at[k * stages + slot])
 
     prefetch = prefetching_loop(count, issue, wait)
@@ -434,6 +489,10 @@ def _dq_kernel(*refs, st, rebuild):
             if masked:
                 q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+                positional = {k: _rows(buf[...], shape) for k, buf in zip(q_pos, own_ids)}
+                for k, buf in zip(kv_pos, step_ids):
+                    positional[k] = _cols(buf.at[slot][...], shape)
+                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
                 s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
             p = jnp.exp2(s - _rows(lse, shape))
             dp = _dot(do_smem, vt_smem.at[slot], shape)
@@ -464,6 +523,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     kv_heads, dtype, stages = k.shape[2], q.dtype, cfg.num_stages
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     interpret = InterpretGPUParams() if cfg.interpret else None
+    n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     dk, dv = plgpu.kernel(
         functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
@@ -482,8 +542,10 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
             plgpu.SMEM((stages, bq), jnp.float32),
             swizzled((bk, bq), dtype),
             swizzled((bk, bq), dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            plgpu.Barrier(num_arrivals=1, num_barriers=6 * stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 + n_kv_pos),
+            plgpu.Barrier(num_arrivals=1, num_barriers=(6 + n_q_pos) * stages),
+            *[plgpu.SMEM((bk,), jnp.int32)] * n_kv_pos,
+            *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
         ],
         grid=(st.kv_pad // bk, heads, batch),
         grid_names=("k", "h", "b"),
@@ -507,8 +569,10 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
             swizzled((stages, bk, st.d), dtype),
             swizzled((stages, st.dv, bk), dtype),
             swizzled((bq, bk), dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=4),
-            plgpu.Barrier(num_arrivals=1, num_barriers=3 * stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=4 + n_q_pos),
+            plgpu.Barrier(num_arrivals=1, num_barriers=(3 + n_kv_pos) * stages),
+            *[plgpu.SMEM((bq,), jnp.int32)] * n_q_pos,
+            *[plgpu.SMEM((stages, bk), jnp.int32)] * n_kv_pos,
         ],
         grid=(st.q_pad // bq, heads, batch),
         grid_names=("q", "h", "b"),
@@ -589,7 +653,6 @@ def _kernel_rule(call: AttentionCall) -> str | None:
 _NOT_IN_KERNEL = {
     "dense": "a dense mask cannot be evaluated per tile",
     "mask_fn": "MaskFn is not in the Mosaic kernel yet; use implementation='triton'",
-    "segments": "segment ids are not in the Mosaic kernel yet; use implementation='triton'",
 }
 
 
