@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
 
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, Choice, register_op, resolve
@@ -239,7 +239,7 @@ flex_attention.explain = explain_attention  # pyright: ignore[reportFunctionMemb
 
 def rope(
     x: Float[Array, "seq heads dim"],
-    positions: Float[Array, " seq"] | None = None,
+    positions: Real[Array, " seq"] | None = None,
     theta: float = 1e4,
 ) -> Float[Array, "seq heads dim"]:
     """Rotary position embedding (rotate-half convention) over the last axis."""
