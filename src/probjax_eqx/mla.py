@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx import masks
 from probjax_eqx.attention import flex_attention, rope
-from probjax_eqx.backends import resolve
+from probjax_eqx.backends import Backend, resolve
 
 
 class LatentCache(eqx.Module):
@@ -62,7 +62,7 @@ class MLA(eqx.Module):
     v_dim: int = eqx.field(static=True)
     kv_lora_rank: int = eqx.field(static=True)
     rope_theta: float = eqx.field(static=True)
-    backend: object = eqx.field(static=True)
+    backend: Backend = eqx.field(static=True)
     attention_config: object = eqx.field(static=True)
 
     def __init__(
