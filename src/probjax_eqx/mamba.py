@@ -1,0 +1,197 @@
+"""Mamba (selective state-space) blocks: the selective scan and a recurrent decode step.
+
+The selective scan, per channel `d` and state `n`:
+
+    h_t = exp(dt_t[d] A[d, n]) h_{t-1} + dt_t[d] B_t[n] x_t[d]
+    y_t[d] = C_t . h_t[d] + D[d] x_t[d]
+
+Implementations (`implementation=`): `"scan"` (sequential `lax.scan`, the reference, O(d n)
+memory) and `"associative"` (`lax.associative_scan` over the affine maps
+`h -> a h + b`, O(L d n) memory, log-depth). `Mamba` wraps it as in Gu & Dao (2023):
+input projection to `x, z`, causal depthwise conv1d + SiLU on `x`, data-dependent `dt, B,
+C`, the scan, gating by `SiLU(z)`, output projection; parameters are initialised as in
+the official implementation (`A_log = log(1..N)`, `D = 1`, `dt` bias log-uniform in
+`[dt_min, dt_max]` through the inverse softplus).
+"""
+
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+ScanImplementation = Literal["scan", "associative"]
+
+
+def selective_scan(
+    x: Float[Array, "seq d"],
+    dt: Float[Array, "seq d"],
+    a: Float[Array, "d n"],
+    b: Float[Array, "seq n"],
+    c: Float[Array, "seq n"],
+    d_skip: Float[Array, " d"],
+    *,
+    h0: Float[Array, "d n"] | None = None,
+    implementation: ScanImplementation = "scan",
+) -> tuple[Float[Array, "seq d"], Float[Array, "d n"]]:
+    """The selective scan (module docstring) in float32; returns `y` and the last state."""
+    f32 = jnp.float32
+    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
+    h0 = jnp.zeros(a.shape, f32) if h0 is None else h0.astype(f32)
+    decay = jnp.exp(dt[:, :, None] * a[None])  # [seq, d, n]
+    drive = (dt * x)[:, :, None] * b[:, None, :]  # [seq, d, n]
+    if implementation == "scan":
+
+        def step(h, inputs):
+            decay_t, drive_t, c_t = inputs
+            h = decay_t * h + drive_t
+            return h, h @ c_t
+
+        h_last, y = jax.lax.scan(step, h0, (decay, drive, c))
+    elif implementation == "associative":
+
+        def combine(left, right):
+            a1, b1 = left
+            a2, b2 = right
+            return a1 * a2, a2 * b1 + b2
+
+        drive = drive.at[0].add(decay[0] * h0)
+        _, h = jax.lax.associative_scan(combine, (decay, drive))
+        y, h_last = jnp.einsum("ldn,ln->ld", h, c), h[-1]
+    else:
+        raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'associative'")
+    return y + d_skip.astype(f32) * x, h_last
+
+
+class MambaCache(eqx.Module):
+    """Recurrent state of one `Mamba` block: the conv window and the SSM state."""
+
+    conv: Float[Array, "width d_inner"]
+    ssm: Float[Array, "d_inner d_state"]
+
+
+def _uniform(key, shape, bound, dtype):
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+class Mamba(eqx.Module):
+    """A Mamba-1 block; unbatched `[seq, d_model]` (use `jax.vmap`)."""
+
+    in_proj: Float[Array, "d_model two_inner"]
+    conv_weight: Float[Array, "width d_inner"]
+    conv_bias: Float[Array, " d_inner"]
+    x_proj: Float[Array, "d_inner dt_bc"]
+    dt_proj: Float[Array, "dt_rank d_inner"]
+    dt_bias: Float[Array, " d_inner"]
+    a_log: Float[Array, "d_inner d_state"]
+    d_skip: Float[Array, " d_inner"]
+    out_proj: Float[Array, "d_inner d_model"]
+    d_state: int = eqx.field(static=True)
+    dt_rank: int = eqx.field(static=True)
+    implementation: ScanImplementation = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | None = None,
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        implementation: ScanImplementation = "scan",
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """Initialise as the official Mamba (see the module docstring).
+
+        Args:
+            d_model: token width.
+            d_state: SSM state size N per channel.
+            d_conv: causal conv1d width.
+            expand: inner width `expand * d_model`.
+            dt_rank: rank of the `dt` projection (default `ceil(d_model / 16)`).
+            dt_min: lower end of the `dt` initialisation range.
+            dt_max: upper end of the `dt` initialisation range.
+            dt_init_floor: smallest initial `dt`.
+            implementation: `"scan"` or `"associative"`.
+            dtype: parameter dtype.
+            key: PRNG key.
+        """
+        if implementation not in ("scan", "associative"):
+            raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'associative'")
+        dtype = jnp.float32 if dtype is None else dtype
+        d_inner = expand * d_model
+        dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+        keys = jax.random.split(key, 6)
+        self.in_proj = _uniform(keys[0], (d_model, 2 * d_inner), d_model**-0.5, dtype)
+        self.conv_weight = _uniform(keys[1], (d_conv, d_inner), d_conv**-0.5, dtype)
+        self.conv_bias = jnp.zeros((d_inner,), dtype)
+        self.x_proj = _uniform(keys[2], (d_inner, dt_rank + 2 * d_state), d_inner**-0.5, dtype)
+        self.dt_proj = _uniform(keys[3], (dt_rank, d_inner), dt_rank**-0.5, dtype)
+        log_dt = jax.random.uniform(keys[4], (d_inner,), jnp.float32)
+        dt = jnp.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = jnp.maximum(dt, dt_init_floor)
+        self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # softplus^-1(dt)
+        a = jnp.broadcast_to(jnp.arange(1, d_state + 1, dtype=jnp.float32), (d_inner, d_state))
+        self.a_log = jnp.log(a).astype(dtype)
+        self.d_skip = jnp.ones((d_inner,), dtype)
+        self.out_proj = _uniform(keys[5], (d_inner, d_model), d_inner**-0.5, dtype)
+        self.d_state, self.dt_rank = d_state, dt_rank
+        self.implementation = implementation
+
+    @property
+    def d_inner(self) -> int:
+        return self.d_skip.shape[0]
+
+    def _ssm_inputs(self, x):
+        proj = x @ self.x_proj
+        dt_low = proj[:, : self.dt_rank]
+        b = proj[:, self.dt_rank : self.dt_rank + self.d_state]
+        c = proj[:, self.dt_rank + self.d_state :]
+        dt = jax.nn.softplus(dt_low @ self.dt_proj + self.dt_bias)
+        return dt, -jnp.exp(self.a_log.astype(jnp.float32)), b, c
+
+    def _conv(self, x, window):
+        """Causal depthwise conv of `x` preceded by `window` (the previous inputs)."""
+        width = self.conv_weight.shape[0]
+        padded = jnp.concatenate([window.astype(x.dtype), x], axis=0)
+        out = sum(
+            padded[k : k + x.shape[0]] * self.conv_weight[k] for k in range(width)
+        )  # tap k sees input t - (width - 1 - k)
+        return jax.nn.silu(out + self.conv_bias), padded[x.shape[0] :]
+
+    def _forward(self, x, cache: MambaCache):
+        xz = x @ self.in_proj
+        u, z = xz[:, : self.d_inner], xz[:, self.d_inner :]
+        u, window = self._conv(u, cache.conv)
+        dt, a, b, c = self._ssm_inputs(u)
+        y, h = selective_scan(
+            u, dt, a, b, c, self.d_skip, h0=cache.ssm, implementation=self.implementation
+        )
+        y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+        return y @ self.out_proj, MambaCache(window, h)
+
+    def init_cache(self, dtype=None) -> MambaCache:
+        """The state before the first token."""
+        dtype = self.in_proj.dtype if dtype is None else dtype
+        width = self.conv_weight.shape[0]
+        return MambaCache(
+            conv=jnp.zeros((width - 1, self.d_inner), dtype),
+            ssm=jnp.zeros((self.d_inner, self.d_state), jnp.float32),
+        )
+
+    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        """The block over a whole sequence (from the zero state)."""
+        return self._forward(x, self.init_cache(x.dtype))[0]
+
+    def decode_step(
+        self, x: Float[Array, " d_model"], cache: MambaCache
+    ) -> tuple[Float[Array, " d_model"], MambaCache]:
+        """One token through the recurrence; equal to the matching row of `__call__`."""
+        y, cache = self._forward(x[None], cache)
+        return y[0], cache
