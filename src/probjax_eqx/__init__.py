@@ -19,5 +19,6 @@ from probjax_eqx.mla import MLA as MLA
 from probjax_eqx.moe import MoE as MoE
 from probjax_eqx.moe import MoEAux as MoEAux
 from probjax_eqx.moe import grouped_matmul as grouped_matmul
+from probjax_eqx.rla import RLA as RLA
 
 __version__ = "0.1.0"
