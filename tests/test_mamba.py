@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from _tolerance import assert_close
-from probjax_eqx.mamba import Mamba, selective_scan
+from probjax_eqx.mamba import Mamba, Mamba2, selective_scan, ssd
 
 
 def numpy_scan(x, dt, a, b, c, d, h0):
@@ -89,3 +89,47 @@ def test_vmap_jit_and_scan_over_layers(getkey):
     assert out.shape == xs.shape and np.all(np.isfinite(out))
     grads = jax.grad(lambda p: jnp.sum(jax.vmap(run, in_axes=(None, 0))(p, xs) ** 2))(params)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def numpy_ssd(x, dt, a, b, c, d, h0):
+    x, dt, a, b, c, d, h = (np.asarray(t, np.float64) for t in (x, dt, a, b, c, d, h0))
+    ys = []
+    for t in range(x.shape[0]):
+        h = np.exp(dt[t] * a)[:, None, None] * h + (dt[t][:, None] * x[t])[..., None] * b[t]
+        ys.append(h @ c[t] + d[:, None] * x[t])
+    return np.stack(ys), h
+
+
+@pytest.mark.parametrize("implementation, chunk", [("scan", 8), ("chunked", 8), ("chunked", 5)])
+def test_ssd_matches_the_recurrence(getkey, implementation, chunk):
+    seq, heads, p, n = 23, 3, 4, 5
+    x = jax.random.normal(getkey(), (seq, heads, p))
+    dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, heads)))
+    a = -jnp.exp(jax.random.normal(getkey(), (heads,)))
+    b, c = jax.random.normal(getkey(), (seq, n)), jax.random.normal(getkey(), (seq, n))
+    d, h0 = jax.random.normal(getkey(), (heads,)), jax.random.normal(getkey(), (heads, p, n))
+    y, h = ssd(x, dt, a, b, c, d, chunk=chunk, h0=h0, implementation=implementation)
+    y_ref, h_ref = numpy_ssd(x, dt, a, b, c, d, h0)
+    assert_close(y, y_ref, jnp.float32)
+    assert_close(h, h_ref, jnp.float32)
+
+
+def test_mamba2_chunked_equals_scan_and_decode(getkey):
+    key = getkey()
+    kwargs = dict(d_state=8, head_dim=8, chunk=4, key=key)
+    chunked = Mamba2(16, implementation="chunked", **kwargs)
+    scan = Mamba2(16, implementation="scan", **kwargs)
+    x = jax.random.normal(getkey(), (14, 16))
+    ct = jax.random.normal(getkey(), (14, 16))
+    full = scan(x)
+    assert_close(chunked(x), full, jnp.float32)
+    loss = lambda m, x: jnp.sum(m(x) * ct)  # noqa: E731
+    g1, g2 = eqx.filter_grad(loss)(scan, x), eqx.filter_grad(loss)(chunked, x)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        assert_close(a, b, jnp.float32, grad=True)
+    cache, step = chunked.init_cache(), eqx.filter_jit(chunked.decode_step)
+    ys = []
+    for t in range(14):
+        y, cache = step(x[t], cache)
+        ys.append(y)
+    assert_close(jnp.stack(ys), full, jnp.float32)

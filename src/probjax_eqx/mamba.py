@@ -195,3 +195,182 @@ class Mamba(eqx.Module):
         """One token through the recurrence; equal to the matching row of `__call__`."""
         y, cache = self._forward(x[None], cache)
         return y[0], cache
+
+
+def ssd(
+    x: Float[Array, "seq heads p"],
+    dt: Float[Array, "seq heads"],
+    a: Float[Array, " heads"],
+    b: Float[Array, "seq n"],
+    c: Float[Array, "seq n"],
+    d_skip: Float[Array, " heads"],
+    *,
+    chunk: int = 64,
+    h0: Float[Array, "heads p n"] | None = None,
+    implementation: Literal["scan", "chunked"] = "chunked",
+) -> tuple[Float[Array, "seq heads p"], Float[Array, "heads p n"]]:
+    """Mamba-2's scan with a scalar decay per head, in float32; returns `y` and the last state.
+
+    `h_t = exp(dt_t a) h_{t-1} + dt_t x_t B_t^T`, `y_t = h_t C_t + D x_t` per head.
+    `"chunked"` is the state-space duality: within a chunk a masked, decay-weighted
+    `C B^T` matmul; across chunks the carried state.
+    """
+    f32 = jnp.float32
+    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
+    seq, heads, p = x.shape
+    n = b.shape[1]
+    h0 = jnp.zeros((heads, p, n), f32) if h0 is None else h0.astype(f32)
+    skip = d_skip.astype(f32)[None, :, None] * x
+    if implementation == "scan":
+
+        def step(h, inputs):
+            x_t, dt_t, b_t, c_t = inputs
+            h = jnp.exp(dt_t * a)[:, None, None] * h + (dt_t[:, None] * x_t)[..., None] * b_t
+            return h, h @ c_t
+
+        h_last, y = jax.lax.scan(step, h0, (x, dt, b, c))
+        return y + skip, h_last
+    if implementation != "chunked":
+        raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'chunked'")
+    pad = -seq % chunk
+    padded = [jnp.pad(t, [(0, pad)] + [(0, 0)] * (t.ndim - 1)) for t in (x, dt, b, c)]
+    xs, dts, bs, cs = (t.reshape(-1, chunk, *t.shape[1:]) for t in padded)
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    hp = jax.lax.Precision.HIGHEST
+
+    def chunk_step(h, inputs):
+        x_c, dt_c, b_c, c_c = inputs  # [Q, H, P], [Q, H], [Q, N], [Q, N]
+        log_decay = jnp.cumsum(dt_c * a, axis=0)  # [Q, H]: log prod_{k <= i} exp(dt_k a)
+        # decay from j (exclusive) to i (inclusive): exp(cum_i - cum_j), i >= j
+        seg = log_decay[:, None, :] - log_decay[None, :, :]  # [Q(i), Q(j), H]
+        weights = jnp.where(causal[:, :, None], jnp.exp(jnp.where(causal[:, :, None], seg, 0)), 0)
+        cb = jnp.einsum("in,jn->ij", c_c, b_c, precision=hp)
+        intra = jnp.einsum("ij,ijh,jh,jhp->ihp", cb, weights, dt_c, x_c, precision=hp)
+        inter = jnp.einsum("in,hpn,ih->ihp", c_c, h, jnp.exp(log_decay), precision=hp)
+        to_end = jnp.exp(log_decay[-1][None] - log_decay)  # [Q, H]
+        h = jnp.exp(log_decay[-1])[:, None, None] * h + jnp.einsum(
+            "jh,jh,jhp,jn->hpn", to_end, dt_c, x_c, b_c, precision=hp
+        )
+        return h, intra + inter
+
+    h_last, y = jax.lax.scan(chunk_step, h0, (xs, dts, bs, cs))
+    # Padded steps have dt = 0: decay 1 and no input, so the final state is unchanged.
+    return y.reshape(-1, heads, p)[:seq] + skip, h_last
+
+
+class Mamba2Cache(eqx.Module):
+    """Recurrent state of one `Mamba2` block: the conv window and the SSM state."""
+
+    conv: Float[Array, "width conv_dim"]
+    ssm: Float[Array, "heads p n"]
+
+
+class Mamba2(eqx.Module):
+    """A Mamba-2 block (one B/C group); unbatched `[seq, d_model]`."""
+
+    in_proj: Float[Array, "d_model proj"]
+    conv_weight: Float[Array, "width conv_dim"]
+    conv_bias: Float[Array, " conv_dim"]
+    dt_bias: Float[Array, " heads"]
+    a_log: Float[Array, " heads"]
+    d_skip: Float[Array, " heads"]
+    norm: Float[Array, " d_inner"]
+    out_proj: Float[Array, "d_inner d_model"]
+    head_dim: int = eqx.field(static=True)
+    d_state: int = eqx.field(static=True)
+    chunk: int = eqx.field(static=True)
+    implementation: Literal["scan", "chunked"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        d_state: int = 64,
+        d_conv: int = 4,
+        expand: int = 2,
+        head_dim: int = 64,
+        chunk: int = 64,
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        implementation: Literal["scan", "chunked"] = "chunked",
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        """Initialise as the official Mamba-2 (`A` in [1, 16], log-uniform `dt`).
+
+        Args:
+            d_model: token width.
+            d_state: state size N.
+            d_conv: causal conv1d width.
+            expand: inner width `expand * d_model` (a multiple of `head_dim`).
+            head_dim: channels per head P.
+            chunk: chunk length of the `"chunked"` scan.
+            dt_min: lower end of the `dt` initialisation range.
+            dt_max: upper end of the `dt` initialisation range.
+            implementation: `"scan"` or `"chunked"`.
+            dtype: parameter dtype.
+            key: PRNG key.
+        """
+        dtype = jnp.float32 if dtype is None else dtype
+        d_inner = expand * d_model
+        if d_inner % head_dim:
+            raise ValueError(f"expand * d_model = {d_inner} must be a multiple of {head_dim=}")
+        heads = d_inner // head_dim
+        conv_dim = d_inner + 2 * d_state
+        keys = jax.random.split(key, 5)
+        proj = 2 * d_inner + 2 * d_state + heads  # z, x, B, C, dt
+        self.in_proj = _uniform(keys[0], (d_model, proj), d_model**-0.5, dtype)
+        self.conv_weight = _uniform(keys[1], (d_conv, conv_dim), d_conv**-0.5, dtype)
+        self.conv_bias = jnp.zeros((conv_dim,), dtype)
+        u = jax.random.uniform(keys[2], (heads,), jnp.float32)
+        dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+        a = jax.random.uniform(keys[3], (heads,), jnp.float32, 1.0, 16.0)
+        self.a_log = jnp.log(a).astype(dtype)
+        self.d_skip = jnp.ones((heads,), dtype)
+        self.norm = jnp.ones((d_inner,), dtype)
+        self.out_proj = _uniform(keys[4], (d_inner, d_model), d_inner**-0.5, dtype)
+        self.head_dim, self.d_state, self.chunk = head_dim, d_state, chunk
+        self.implementation = implementation
+
+    @property
+    def d_inner(self) -> int:
+        return self.norm.shape[0]
+
+    def init_cache(self, dtype=None) -> Mamba2Cache:
+        dtype = self.in_proj.dtype if dtype is None else dtype
+        width, conv_dim = self.conv_weight.shape
+        heads = self.d_skip.shape[0]
+        return Mamba2Cache(
+            conv=jnp.zeros((width - 1, conv_dim), dtype),
+            ssm=jnp.zeros((heads, self.head_dim, self.d_state), jnp.float32),
+        )
+
+    def _forward(self, x, cache: Mamba2Cache):
+        seq, di, n = x.shape[0], self.d_inner, self.d_state
+        proj = x @ self.in_proj
+        z, xbc, dt = proj[:, :di], proj[:, di : 2 * di + 2 * n], proj[:, 2 * di + 2 * n :]
+        padded = jnp.concatenate([cache.conv.astype(x.dtype), xbc], axis=0)
+        width = self.conv_weight.shape[0]
+        conv = sum(padded[k : k + seq] * self.conv_weight[k] for k in range(width))
+        xbc = jax.nn.silu(conv + self.conv_bias)
+        u, b, c = xbc[:, :di], xbc[:, di : di + n], xbc[:, di + n :]
+        dt = jax.nn.softplus(dt + self.dt_bias)
+        a = -jnp.exp(self.a_log.astype(jnp.float32))
+        y, h = ssd(
+            u.reshape(seq, -1, self.head_dim), dt, a, b, c, self.d_skip,
+            chunk=self.chunk, h0=cache.ssm, implementation=self.implementation,
+        )  # fmt: skip
+        y = y.reshape(seq, di) * jax.nn.silu(z.astype(jnp.float32))
+        y = y * jax.lax.rsqrt(jnp.mean(y**2, -1, keepdims=True) + 1e-6) * self.norm
+        return y.astype(x.dtype) @ self.out_proj, Mamba2Cache(padded[seq:], h)
+
+    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        return self._forward(x, self.init_cache(x.dtype))[0]
+
+    def decode_step(
+        self, x: Float[Array, " d_model"], cache: Mamba2Cache
+    ) -> tuple[Float[Array, " d_model"], Mamba2Cache]:
+        """One token through the recurrence; equal to the matching row of `__call__`."""
+        y, cache = self._forward(x[None], cache)
+        return y[0], cache
