@@ -2,6 +2,10 @@
 
 from probjax_eqx import biases as biases
 from probjax_eqx import masks as masks
+from probjax_eqx.attention import ISAB as ISAB
+from probjax_eqx.attention import MAB as MAB
+from probjax_eqx.attention import PMA as PMA
+from probjax_eqx.attention import SAB as SAB
 from probjax_eqx.attention import Attention as Attention
 from probjax_eqx.attention import dot_product_attention as dot_product_attention
 from probjax_eqx.attention import explain_attention as explain_attention

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, Choice, register_op, resolve
@@ -30,7 +30,7 @@ from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention
 from probjax_eqx.kernels.triton.attention import TritonAttention
-from probjax_eqx.masks import AbstractMask, DenseMask, MaskFn
+from probjax_eqx.masks import AbstractMask, DenseMask, KVLengths, MaskFn
 
 _IMPLEMENTATIONS = {
     "xla": XlaAttention(),
@@ -401,3 +401,128 @@ class Attention(eqx.Module):
         """The `Choice` this module's backend makes for these inputs, without running it."""
         q, k, v = jax.eval_shape(self._qkv, x, context)
         return _explain(q, k, v, mask, score_mod, self.backend, None)
+
+
+class _FeedForward(eqx.Module):
+    """`Linear -> GELU -> Linear` (the set-transformer rFF)."""
+
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, dim: int, hidden: int, *, dtype=None, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(dim, hidden, dtype=dtype, key=k1)
+        self.down = eqx.nn.Linear(hidden, dim, dtype=dtype, key=k2)
+
+    def __call__(self, x: Float[Array, "n dim"]) -> Float[Array, "n dim"]:
+        return jax.vmap(lambda r: self.down(jax.nn.gelu(self.up(r))))(x)
+
+
+def _set_mask(size: Int[ArrayLike, ""] | None) -> AbstractMask | None:
+    return None if size is None else KVLengths(jnp.asarray(size, jnp.int32))
+
+
+class MAB(eqx.Module):
+    """Pre-norm multihead attention block: `H = X + Att(LN X, LN Y)`, `H + FF(LN H)`.
+
+    With `y_size`, only the first `y_size` rows of `Y` are attended to (padded sets).
+    """
+
+    attention: Attention
+    norm_x: eqx.nn.LayerNorm
+    norm_y: eqx.nn.LayerNorm
+    norm_h: eqx.nn.LayerNorm
+    feed_forward: _FeedForward
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        y_dim: int | None = None,
+        hidden: int | None = None,
+        implementation: str | None = None,
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        k1, k2 = jax.random.split(key)
+        y_dim = dim if y_dim is None else y_dim
+        self.attention = Attention(
+            dim, num_heads, context_dim=y_dim, implementation=implementation, dtype=dtype, key=k1
+        )
+        self.norm_x = eqx.nn.LayerNorm(dim, dtype=dtype)
+        self.norm_y = eqx.nn.LayerNorm(y_dim, dtype=dtype)
+        self.norm_h = eqx.nn.LayerNorm(dim, dtype=dtype)
+        self.feed_forward = _FeedForward(dim, hidden or 2 * dim, dtype=dtype, key=k2)
+
+    def __call__(
+        self,
+        x: Float[Array, "n dim"],
+        y: Float[Array, "m y_dim"],
+        *,
+        y_size: Int[ArrayLike, ""] | None = None,
+    ) -> Float[Array, "n dim"]:
+        ln = lambda norm, a: jax.vmap(norm)(a)  # noqa: E731
+        h = x + self.attention(ln(self.norm_x, x), ln(self.norm_y, y), mask=_set_mask(y_size))
+        return h + self.feed_forward(ln(self.norm_h, h))
+
+
+class SAB(eqx.Module):
+    """Set attention block `MAB(X, X)`: permutation-equivariant."""
+
+    mab: MAB
+
+    def __init__(self, dim: int, num_heads: int, *, implementation=None, dtype=None, key):
+        self.mab = MAB(dim, num_heads, implementation=implementation, dtype=dtype, key=key)
+
+    def __call__(
+        self, x: Float[Array, "n dim"], *, size: Int[ArrayLike, ""] | None = None
+    ) -> Float[Array, "n dim"]:
+        return self.mab(x, x, y_size=size)
+
+
+class ISAB(eqx.Module):
+    """Induced set attention block `MAB(X, MAB(I, X))` with learned inducing points `I`.
+
+    O(n m) instead of O(n^2) for `m` inducing points; permutation-equivariant.
+    """
+
+    inducing: Float[Array, "m dim"]
+    to_inducing: MAB
+    from_inducing: MAB
+
+    def __init__(
+        self, dim: int, num_heads: int, num_inducing: int, *, implementation=None, dtype=None, key
+    ):
+        k0, k1, k2 = jax.random.split(key, 3)
+        self.inducing = jax.random.normal(k0, (num_inducing, dim), dtype or jnp.float32) * dim**-0.5
+        self.to_inducing = MAB(dim, num_heads, implementation=implementation, dtype=dtype, key=k1)
+        self.from_inducing = MAB(dim, num_heads, implementation=implementation, dtype=dtype, key=k2)
+
+    def __call__(
+        self, x: Float[Array, "n dim"], *, size: Int[ArrayLike, ""] | None = None
+    ) -> Float[Array, "n dim"]:
+        h = self.to_inducing(self.inducing.astype(x.dtype), x, y_size=size)
+        return self.from_inducing(x, h)
+
+
+class PMA(eqx.Module):
+    """Pooling by multihead attention: `MAB(S, FF(X))` with learned seeds; invariant."""
+
+    seeds: Float[Array, "k dim"]
+    feed_forward: _FeedForward
+    mab: MAB
+
+    def __init__(
+        self, dim: int, num_heads: int, num_seeds: int = 1, *, implementation=None, dtype=None,
+        key,
+    ):  # fmt: skip
+        k0, k1, k2 = jax.random.split(key, 3)
+        self.seeds = jax.random.normal(k0, (num_seeds, dim), dtype or jnp.float32) * dim**-0.5
+        self.feed_forward = _FeedForward(dim, 2 * dim, dtype=dtype, key=k1)
+        self.mab = MAB(dim, num_heads, implementation=implementation, dtype=dtype, key=k2)
+
+    def __call__(
+        self, x: Float[Array, "n dim"], *, size: Int[ArrayLike, ""] | None = None
+    ) -> Float[Array, "k dim"]:
+        return self.mab(self.seeds.astype(x.dtype), self.feed_forward(x), y_size=size)
