@@ -17,6 +17,7 @@ from probjax_eqx.backends import UnsupportedError as UnsupportedError
 from probjax_eqx.backends import detect_device as detect_device
 from probjax_eqx.backends import explain as explain
 from probjax_eqx.backends import resolve as resolve
+from probjax_eqx.dit import DiffusionTransformer as DiffusionTransformer
 from probjax_eqx.mamba import Mamba as Mamba
 from probjax_eqx.mamba import Mamba2 as Mamba2
 from probjax_eqx.mamba import selective_scan as selective_scan
