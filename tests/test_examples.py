@@ -74,3 +74,15 @@ def test_bench_quick_run_writes_rows(tmp_path):
         } <= set(row)
         if row["status"] == "ok":
             assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["max_abs_err"] < 2e-2
+
+
+def test_train_dit_samples_approach_the_data(tmp_path):
+    import ast
+
+    out = run_example("train_dit.py", "--steps", "500", "--plot", str(tmp_path / "dit.png"))
+    data = ast.literal_eval(re.search(r"data moments +(\{.*\})", out).group(1))
+    samples = ast.literal_eval(re.search(r"sample moments +(\{.*\})", out).group(1))
+    assert abs(samples["radius"] - data["radius"]) < 0.25, out
+    assert abs(samples["radius_std"] - data["radius_std"]) < 0.25, out
+    assert max(abs(m) for m in samples["mean"]) < 0.3, out
+    assert (tmp_path / "dit.png").stat().st_size > 0
