@@ -63,6 +63,23 @@ def time_fn(
     return statistics.median(samples)
 
 
+def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: float,
+           bwd_factor: float = 3.5, against: str = "the reference") -> None:  # fmt: skip
+    """Fill a row's timings and TFLOP/s; an output off `expected` makes it an `error`."""
+    import numpy as np
+
+    err = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(expected, np.float32))))
+    row.update(
+        fwd_ms=fwd_ms,
+        fwd_bwd_ms=fwd_bwd_ms,
+        max_abs_err=err,
+        tflops_fwd=row["flops_fwd"] / fwd_ms / 1e9,
+        tflops_fwd_bwd=bwd_factor * row["flops_fwd"] / fwd_bwd_ms / 1e9,
+    )
+    if not np.isfinite(err) or err > atol:
+        row.update(status="error", message=f"output differs from {against}: {err:.3g}")
+
+
 def classify(err: BaseException) -> tuple[str, str]:
     """Map an exception to a row status and a one-line message."""
     from probjax_eqx import UnsupportedError

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.attention_suite import BF16_FWD_ATOL, CHECK_ROWS
-from bench.harness import classify, time_fn
+from bench.harness import classify, record, time_fn
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -67,18 +67,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
             )
             try:
                 out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
-                err = float(np.max(np.abs(out - expected)))
-                row.update(
-                    fwd_ms=fwd_ms,
-                    fwd_bwd_ms=bwd_ms,
-                    max_abs_err=err,
-                    tflops_fwd=flops / fwd_ms / 1e9,
-                    tflops_fwd_bwd=3.5 * flops / bwd_ms / 1e9,
-                )
-                if not np.isfinite(err) or err > BF16_FWD_ATOL:
-                    row.update(
-                        status="error", message=f"output differs from the reference: {err:.3g}"
-                    )
+                record(row, out, expected, fwd_ms, bwd_ms, atol=BF16_FWD_ATOL)
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)
             writer.add(row)

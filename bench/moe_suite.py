@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, time_fn
+from bench.harness import classify, record, time_fn
 from probjax_eqx import MoE
 
 # (d_model, d_ff, experts, top_k): Mixtral-like and fine-grained DeepSeek-like layers.
@@ -78,19 +78,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
                 if expected is None:
                     reference = _layer(layer, "xla", keys[2])  # same key: same parameters
                     expected = np.asarray(eqx.filter_jit(reference)(x)[0][:256], np.float32)
-                err = float(np.max(np.abs(out - expected)))
-                row.update(
-                    fwd_ms=fwd_ms,
-                    fwd_bwd_ms=bwd_ms,
-                    temp_bytes=temp,
-                    max_abs_err=err,
-                    tflops_fwd=flops / fwd_ms / 1e9,
-                    tflops_fwd_bwd=3 * flops / bwd_ms / 1e9,
-                )
-                if not np.isfinite(err) or err > BF16_ATOL:
-                    row.update(
-                        status="error", message=f"output differs from xla dispatch: {err:.3g}"
-                    )
+                row["temp_bytes"] = temp
+                record(row, out, expected, fwd_ms, bwd_ms, atol=BF16_ATOL, bwd_factor=3.0,
+                       against="the xla dispatch")  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(exc)
             writer.add(row)

@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from _common import plot, resume
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 from tqdm import tqdm
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> float:
         default=None,
         help="where to save the trained model (default: a temporary file)",
     )
+    parser.add_argument("--resume", type=pathlib.Path, default=None, help="checkpoint to continue")
+    parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("quickstart_loss.png"))
     args = parser.parse_args(argv)
 
     key = jax.random.key(args.seed)
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> float:
         optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
     )
     opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
+    model, opt_state = resume(args.resume, (model, opt_state))
 
     @eqx.filter_jit
     def train_step(model, opt_state, key):
@@ -124,8 +128,10 @@ def main(argv: list[str] | None = None) -> float:
     initial = float(loss_fn(model, eval_tokens))
     start = time.perf_counter()
     progress = tqdm(range(args.steps), desc="train", mininterval=1.0)
+    losses = []
     for step, step_key in zip(progress, jax.random.split(data_key, args.steps)):
         model, opt_state, loss = train_step(model, opt_state, step_key)
+        losses.append(float(loss))
         if step % 50 == 0 or step == args.steps - 1:
             progress.set_postfix(loss=f"{float(loss):.3f}")
     final = float(loss_fn(model, eval_tokens))
@@ -135,11 +141,14 @@ def main(argv: list[str] | None = None) -> float:
         f"in {elapsed:.1f}s"
     )
 
+    plot(args.plot, {"training loss": {"loss": losses}})
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or pathlib.Path(tmp) / "tiny_lm.eqx"
-        eqx.tree_serialise_leaves(path, model)
+        # The whole training state, so that --resume continues where this run stopped.
+        eqx.tree_serialise_leaves(path, (model, opt_state))
         skeleton = TinyLM(args.vocab, args.dim, args.depth, args.heads, key=jax.random.key(123))
-        restored = eqx.tree_deserialise_leaves(path, skeleton)
+        skeleton_state = (skeleton, optimiser.init(eqx.filter(skeleton, eqx.is_array)))
+        restored, _ = eqx.tree_deserialise_leaves(path, skeleton_state)
         reloaded = float(loss_fn(restored, eval_tokens))
     if reloaded != final:
         raise RuntimeError(f"checkpoint round trip changed the loss: {final} vs {reloaded}")

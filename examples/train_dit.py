@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _common import resume
 from tqdm import tqdm
 
 import probjax_eqx as pjx
@@ -88,6 +89,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("dit_samples.png"))
     parser.add_argument("--checkpoint", type=pathlib.Path, default=None)
+    parser.add_argument("--resume", type=pathlib.Path, default=None, help="checkpoint to continue")
     args = parser.parse_args(argv)
     cfg = SIZES[args.size]
     key = jax.random.key(args.seed)
@@ -100,11 +102,13 @@ def main(argv=None):
         compute_dtype=None if jax.devices()[0].platform == "cpu" else "bfloat16",
         key=model_key,
     )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 100, args.steps, args.lr * 0.05)
+    warmup = min(100, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr * 0.05)
     optimiser = optax.chain(
         optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4)
     )
     opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
+    model, opt_state = resume(args.resume, (model, opt_state))
 
     @eqx.filter_jit
     def train_step(model, opt_state, key):
@@ -127,8 +131,8 @@ def main(argv=None):
     print("sample moments ", moments(samples))
 
     path = args.checkpoint or pathlib.Path(tempfile.mkdtemp()) / "dit.eqx"
-    eqx.tree_serialise_leaves(path, model)
-    restored = eqx.tree_deserialise_leaves(path, model)
+    eqx.tree_serialise_leaves(path, (model, opt_state))
+    restored, _ = eqx.tree_deserialise_leaves(path, (model, opt_state))
     assert all(np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(eqx.filter(model, eqx.is_array)),
         jax.tree.leaves(eqx.filter(restored, eqx.is_array))))  # fmt: skip

@@ -86,3 +86,36 @@ def test_train_dit_samples_approach_the_data(tmp_path):
     assert abs(samples["radius_std"] - data["radius_std"]) < 0.25, out
     assert max(abs(m) for m in samples["mean"]) < 0.3, out
     assert (tmp_path / "dit.png").stat().st_size > 0
+
+
+def test_train_ssm_runs_and_learns(tmp_path):
+    out = run_example(
+        "train_ssm.py", "--steps", "60", "--plot", str(tmp_path / "ssm.png"),
+        "--checkpoint-dir", str(tmp_path),
+    )  # fmt: skip
+    for kind in ("mamba", "rla"):
+        loss = float(re.search(rf"{kind}: eval loss ([\d.]+)", out).group(1))
+        assert loss < 2.0, out  # below chance (log 7 = 1.95 is the uniform loss over 7 tokens)
+    assert (tmp_path / "ssm.png").stat().st_size > 0
+
+
+def test_amortized_inference_is_calibrated(tmp_path):
+    out = run_example(
+        "amortized_inference.py", "--steps", "300", "--plot", str(tmp_path / "npe.png"),
+        "--checkpoint", str(tmp_path / "npe.eqx"),
+    )  # fmt: skip
+    c68, c95 = (float(x) for x in re.search(r"68%: ([\d.]+)\s+95%: ([\d.]+)", out).groups())
+    assert abs(c68 - 0.68) < 0.1 and abs(c95 - 0.95) < 0.06, out
+
+
+def test_train_moe_lm_resumes_and_balances(tmp_path):
+    ckpt = tmp_path / "moe.eqx"
+    args = ["--steps", "40", "--plot", str(tmp_path / "moe.png"), "--checkpoint", str(ckpt)]
+    out = run_example("train_moe_lm.py", *args)
+    first = float(re.search(r"eval cross-entropy ([\d.]+)", out).group(1))
+    out = run_example("train_moe_lm.py", *args, "--resume", str(ckpt))
+    assert "resuming from" in out
+    second = float(re.search(r"eval cross-entropy ([\d.]+)", out).group(1))
+    assert second < first, out
+    lb = float(re.search(r"load-balancing loss ([\d.]+)", out).group(1))
+    assert lb < 2.0, out

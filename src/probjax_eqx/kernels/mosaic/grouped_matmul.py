@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
-from probjax_eqx.kernels.triton.grouped_matmul import Layout, layout
+from probjax_eqx.kernels.triton.grouped_matmul import Layout, layout, padded_rhs
 
 _TILE = 64  # wgmma rows per warpgroup; 64 16-bit elements per 128-byte swizzled row
 
@@ -56,23 +56,14 @@ class MosaicGroupedMatmulConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
-def _gmm_kernel(group_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg):
-    t, j = lax.axis_index("m"), lax.axis_index("n")
-    g = group_ref[t]
-    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
-    steps = lhs_ref.shape[1] // bk
+def _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, shape):
+    """`sum_n A_n @ B_n` over `steps` tile pairs `views(n)`, TMA-prefetched one step ahead."""
 
     def issue(n):
         slot = lax.rem(n, stages)
-        ks = pl.ds(n * bk, bk)
-        plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(t * bm, bm), ks], a_smem.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(
-            rhs_ref.at[g, ks, pl.ds(j * bn, bn)], b_smem.at[slot], bars.at[stages + slot]
-        )
+        a_view, b_view = views(n)
+        plgpu.copy_gmem_to_smem(a_view, a_smem.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(b_view, b_smem.at[slot], bars.at[stages + slot])
 
     def wait(n):
         slot = lax.rem(n, stages)
@@ -92,7 +83,20 @@ def _gmm_kernel(group_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, ba
         lax.fori_loop(0, steps, body, None)
         return acc[...]
 
-    out = pl.run_scoped(accumulate, ACC((bm, bn), jnp.float32))
+    return pl.run_scoped(accumulate, ACC(shape, jnp.float32))
+
+
+def _gmm_kernel(group_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg):
+    t, j = lax.axis_index("m"), lax.axis_index("n")
+    g = group_ref[t]
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
+    steps = lhs_ref.shape[1] // bk
+
+    def views(n):
+        ks = pl.ds(n * bk, bk)
+        return lhs_ref.at[pl.ds(t * bm, bm), ks], rhs_ref.at[g, ks, pl.ds(j * bn, bn)]
+
+    out = _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, (bm, bn))
     o_smem[...] = out.astype(o_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)])
@@ -126,35 +130,11 @@ def _tgmm_kernel(first_ref, end_ref, lhst_ref, dout_ref, out_ref, a_smem, b_smem
     first = first_ref[g]
     count = end_ref[g] - first
 
-    def issue(n):
-        slot = lax.rem(n, stages)
+    def views(n):
         rows = pl.ds((first + n) * bm, bm)
-        plgpu.copy_gmem_to_smem(
-            lhst_ref.at[pl.ds(i * bk, bk), rows], a_smem.at[slot], bars.at[slot]
-        )
-        plgpu.copy_gmem_to_smem(
-            dout_ref.at[rows, pl.ds(j * bn, bn)], b_smem.at[slot], bars.at[stages + slot]
-        )
+        return lhst_ref.at[pl.ds(i * bk, bk), rows], dout_ref.at[rows, pl.ds(j * bn, bn)]
 
-    def wait(n):
-        slot = lax.rem(n, stages)
-        plgpu.barrier_wait(bars.at[slot])
-        plgpu.barrier_wait(bars.at[stages + slot])
-
-    prefetch = prefetching_loop(count, issue, wait)
-
-    def accumulate(acc):
-        def body(n, carry):
-            prefetch(n)
-            slot = lax.rem(n, stages)
-            plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])
-            plgpu.wgmma_wait(0)
-            return carry
-
-        lax.fori_loop(0, count, body, None)
-        return acc[...]
-
-    out = pl.run_scoped(accumulate, ACC((bk, bn), jnp.float32))
+    out = _pipelined_matmul(count, views, a_smem, b_smem, bars, stages, (bk, bn))
     o_smem[...] = out
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)])
@@ -185,10 +165,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: MosaicGroupedMatmulConfig):
     m, k = lhs.shape
     groups, _, n = rhs.shape
     cfg = config
-    step = max(cfg.block_k, cfg.block_n)  # K and N each tile one kernel and contract another
-    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
     lay = layout(group_sizes, m, cfg.block_m)
-    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
     def run(lhs, rhs_p):

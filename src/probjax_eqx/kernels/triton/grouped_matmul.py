@@ -251,6 +251,17 @@ def _transposed_matmul(a, b, lay: Layout, groups: int, cfg, *, tokens=None, gath
     )(*lay.group_tiles, lay.row_valid, tokens, scale, a, b)
 
 
+def padded_rhs(rhs, cfg):
+    """`rhs` zero-padded so K and N are multiples of both `block_k` and `block_n`.
+
+    Each of K and N is tiled by one kernel and contracted by another.
+    """
+    _, k, n = rhs.shape
+    step = max(cfg.block_k, cfg.block_n)
+    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
+    return jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n))), k_pad, n_pad
+
+
 def _with_spare_row(x, cols):
     """`[n, c]` -> `[n + 1, cols]`: zero columns and the zero row padding rows gather."""
     return jnp.pad(x, ((0, 1), (0, cols - x.shape[1])))
@@ -261,11 +272,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
     m, k = lhs.shape
     groups, _, n = rhs.shape
     cfg = config
-    # K and N are each a contraction axis in one kernel and a tiled axis in another.
-    step = max(cfg.block_k, cfg.block_n)
-    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
     lay = layout(group_sizes, m, cfg.block_m)
-    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
     def run(lhs, rhs_p):
@@ -295,9 +303,7 @@ def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulCon
     cfg = config
     n_tokens, k = x.shape
     groups, _, n = rhs.shape
-    step = max(cfg.block_k, cfg.block_n)
-    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
-    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
     def run(x_p, rhs_p):
@@ -327,9 +333,7 @@ def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config)
     cfg = config
     _, k = h.shape
     groups, _, n = rhs.shape
-    step = max(cfg.block_k, cfg.block_n)
-    k_pad, n_pad = _round_up(k, step), _round_up(n, step)
-    rhs_p = jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
     def run(h_p, rhs_p, scale):
