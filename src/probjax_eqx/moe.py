@@ -243,6 +243,11 @@ def _init(key, shape, fan_in, dtype):
 class MoE(eqx.Module):
     """Dropless top-k mixture of SwiGLU experts with an optional shared expert.
 
+    Call it on all the tokens of a batch at once (`[tokens, d_model]`, e.g. the batch
+    flattened): routing is per token, and one grouped matmul per expert matrix then
+    serves the whole batch. `jax.vmap` over an MoE with the `"xla"` grouped matmul fails
+    inside `jax.lax.ragged_dot`, whose batching rule JAX has not implemented.
+
     Example:
         ```python
         moe = MoE(256, 512, num_experts=8, top_k=2, key=jax.random.key(0))
