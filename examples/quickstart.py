@@ -7,6 +7,7 @@ the task gets close to zero after the first two tokens.
 
     python examples/quickstart.py            # ~1 minute on 2 CPU cores
     python examples/quickstart.py --steps 20 # smoke test
+    python examples/quickstart.py --size large  # a bigger model for the GPU
 """
 
 import argparse
@@ -67,6 +68,13 @@ class TinyLM(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
+# "small" is the CPU default (the flags' defaults); "large" is for a GPU.
+SIZES = {
+    "small": dict(dim=64, depth=2, heads=4, batch_size=32),
+    "large": dict(dim=512, depth=8, heads=8, batch_size=128, seq_len=256, vocab=251),
+}
+
+
 def make_batch(key: PRNGKeyArray, batch: int, seq_len: int, vocab: int) -> Int[Array, "batch seq"]:
     k1, k2 = jax.random.split(key)
     start = jax.random.randint(k1, (batch, 1), 0, vocab)
@@ -82,6 +90,9 @@ def loss_fn(model: TinyLM, tokens: Int[Array, "batch seq"]) -> Array:
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="small", help="sets dim, depth, heads, batch"
+    )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=24)
@@ -100,6 +111,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--resume", type=pathlib.Path, default=None, help="checkpoint to continue")
     parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("quickstart_loss.png"))
     args = parser.parse_args(argv)
+    if args.size != "small":
+        for name, value in SIZES[args.size].items():
+            setattr(args, name, value)
 
     key = jax.random.key(args.seed)
     model_key, data_key = jax.random.split(key)
