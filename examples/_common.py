@@ -28,7 +28,11 @@ def save(path: pathlib.Path, state) -> None:
 
 
 def resume(path: pathlib.Path | None, state):
-    """`state` with its leaves read from `path` (a checkpoint of the same structure)."""
+    """`state` with its leaves read from `path` (a checkpoint of the same structure).
+
+    The optimiser state keeps its step count, so a schedule continues where it stopped:
+    `--steps` is the schedule's total length, counted across resumed runs.
+    """
     if path is None:
         return state
     print(f"resuming from {path}")
