@@ -19,7 +19,10 @@ def run_example(name, *args):
 
 
 def test_quickstart_learns_and_round_trips_a_checkpoint(tmp_path):
-    out = run_example("quickstart.py", "--steps", "120", "--checkpoint", str(tmp_path / "m.eqx"))
+    out = run_example(
+        "quickstart.py", "--steps", "120", "--checkpoint", str(tmp_path / "m.eqx"),
+        "--plot", str(tmp_path / "loss.png"),
+    )  # fmt: skip
     initial, final = (float(x) for x in re.search(r"eval loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert final < 0.5 * initial, out
     assert "checkpoint saved and reloaded" in out
