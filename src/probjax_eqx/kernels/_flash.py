@@ -7,6 +7,8 @@ A family supplies `forward(qp, kp, vp, fwd_ranges, operands) -> (o, lse)` and
 padded operands; `attend` wires them into one `jax.custom_vjp` and slices the padding off.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +39,27 @@ def tile_ranges(ctx, mask, q_pad: int, kv_pad: int, *, fwd, dq, dkv) -> dict:
         )
 
     return {"fwd": ranges(fwd, True), "dq": ranges(dq, True), "dkv": ranges(dkv, False)}
+
+
+def valid_pairs(ctx, mask, b, h, q_idx, kv_idx):
+    """Which (query, key) pairs of a tile count: real keys the mask allows."""
+    valid = kv_idx < ctx.kv_len
+    if mask is not None:
+        valid = valid & mask.predicate(ctx, b, h, q_idx, kv_idx)
+    return valid
+
+
+def tile_loop(ranges, body, init):
+    """Run `body(step, carry, masked)` over the tiles `[lo, hi)` of `ranges`.
+
+    `ranges` is `(lo, full_lo, full_hi, hi)`, one program's entries of `block_ranges`.
+
+    The tiles in `[full_lo, full_hi)` are valid throughout and skip mask evaluation.
+    """
+    lo, full_lo, full_hi, hi = ranges
+    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def attend(forward, backward, qp, kp, vp, ranges, operands, *, q_len: int, v_dim: int):

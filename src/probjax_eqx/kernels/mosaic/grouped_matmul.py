@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
-from probjax_eqx.kernels.triton.grouped_matmul import Layout, layout, padded_rhs
+from probjax_eqx.kernels.triton.grouped_matmul import Layout, padded_grouped_matmul
 
 _TILE = 64  # wgmma rows per warpgroup; 64 16-bit elements per 128-byte swizzled row
 
@@ -162,26 +162,13 @@ def _tgmm(lhs_t, dout_p, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfi
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: MosaicGroupedMatmulConfig):
     """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
-    m, k = lhs.shape
-    groups, _, n = rhs.shape
-    cfg = config
-    lay = layout(group_sizes, m, cfg.block_m)
-    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
-
-    @jax.custom_vjp
-    def run(lhs, rhs_p):
-        return lay.from_padded(_gmm(lay.to_padded(lhs, k_pad), rhs_p, lay, cfg, lhs.dtype), n)
-
-    def run_fwd(lhs, rhs_p):
-        return run(lhs, rhs_p), (lhs, rhs_p)
-
-    def run_bwd(residuals, dout):
-        lhs, rhs_p = residuals
-        dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
-        rhs_t = jnp.swapaxes(rhs_p, 1, 2)
-        dlhs = lay.from_padded(_gmm(dout_p, rhs_t, lay, cfg, lhs.dtype), k)
-        drhs = _tgmm(lay.to_padded(lhs, k_pad).T, dout_p, lay, groups, cfg)
-        return dlhs, drhs.astype(rhs_p.dtype)
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs_p)
+    cfg, groups, dtype = config, rhs.shape[0], lhs.dtype
+    return padded_grouped_matmul(
+        lhs,
+        rhs,
+        group_sizes,
+        cfg,
+        matmul=lambda a, r, lay: _gmm(a, r, lay, cfg, dtype),
+        matmul_t=lambda d, r, lay: _gmm(d, jnp.swapaxes(r, 1, 2), lay, cfg, dtype),
+        transposed=lambda a, d, lay: _tgmm(a.T, d, lay, groups, cfg),
+    )

@@ -212,21 +212,8 @@ def _tile_scores(s, st: _Static, mask, mod, b, h, q_idx, kv_idx, *, masked: bool
         scores = scores * LOG2E
     if not masked:
         return scores, slope
-    valid = kv_idx < st.call.kv_len
-    if mask is not None:
-        valid = valid & mask.predicate(st.ctx, b, h, q_idx, kv_idx)
+    valid = _flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx)
     return jnp.where(valid, scores, -jnp.inf), slope
-
-
-def _tile_loop(range_refs, body, init):
-    """Run `body(step, carry, masked)` over the tiles `[lo, hi)` of the range refs.
-
-    The tiles in `[full_lo, full_hi)` are valid throughout and skip mask evaluation.
-    """
-    lo, full_lo, full_hi, hi = (ref[()] for ref in range_refs)
-    carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
-    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-    return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def _rebuilders(st: _Static, rebuild_mask, rebuild_mod):
@@ -279,7 +266,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = _tile_loop(range_refs, body, init)
+    acc, m, denom = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
@@ -319,7 +306,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
         return dk, dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk, dv = _tile_loop(range_refs, body, init)
+    dk, dv = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -363,7 +350,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         return dq + plt.dot((d_modded * slope).astype(k.dtype), k), dparams
 
     init = (jnp.zeros(dq_ref.shape, jnp.float32), tuple(jnp.float32(0.0) for _ in st.param_slots))
-    dq, dparams = _tile_loop(range_refs, body, init)
+    dq, dparams = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     if dparam_ref:
         lanes = jnp.arange(_PARAM_LANES, dtype=jnp.int32)

@@ -267,18 +267,21 @@ def _with_spare_row(x, cols):
     return jnp.pad(x, ((0, 1), (0, cols - x.shape[1])))
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
-    """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
+def padded_grouped_matmul(lhs, rhs, group_sizes, cfg, *, matmul, matmul_t, transposed):
+    """`[M, K] x [G, K, N] -> [M, N]` with a custom VJP, on padded-layout kernels.
+
+    The kernel family supplies, on the padded layout `lay`: `matmul(lhs_p, rhs_p, lay)`
+    (`[rows, N]`), `matmul_t(dout_p, rhs_p, lay)` (`dout @ rhs[g]^T`, `[rows, K]`) and
+    `transposed(lhs_p, dout_p, lay)` (`lhs_g^T @ dout_g`, float32 `[G, K, N]`).
+    """
     m, k = lhs.shape
-    groups, _, n = rhs.shape
-    cfg = config
+    n = rhs.shape[2]
     lay = layout(group_sizes, m, cfg.block_m)
     rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
     def run(lhs, rhs_p):
-        out = _matmul(lay.to_padded(lhs, k_pad), rhs_p, lay, cfg, transpose_rhs=False)
-        return lay.from_padded(out, n)
+        return lay.from_padded(matmul(lay.to_padded(lhs, k_pad), rhs_p, lay), n)
 
     def run_fwd(lhs, rhs_p):
         return run(lhs, rhs_p), (lhs, rhs_p)
@@ -286,12 +289,26 @@ def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
     def run_bwd(residuals, dout):
         lhs, rhs_p = residuals
         dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
-        dlhs = lay.from_padded(_matmul(dout_p, rhs_p, lay, cfg, transpose_rhs=True), k)
-        drhs = _transposed_matmul(lay.to_padded(lhs, k_pad), dout_p, lay, groups, cfg)
+        dlhs = lay.from_padded(matmul_t(dout_p, rhs_p, lay), k)
+        drhs = transposed(lay.to_padded(lhs, k_pad), dout_p, lay)
         return dlhs.astype(lhs.dtype), drhs.astype(rhs_p.dtype)
 
     run.defvjp(run_fwd, run_bwd)
     return run(lhs, rhs_p)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
+    """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
+    cfg, groups = config, rhs.shape[0]
+    return padded_grouped_matmul(
+        lhs,
+        rhs,
+        group_sizes,
+        cfg,
+        matmul=lambda a, r, lay: _matmul(a, r, lay, cfg, transpose_rhs=False),
+        matmul_t=lambda d, r, lay: _matmul(d, r, lay, cfg, transpose_rhs=True),
+        transposed=lambda a, d, lay: _transposed_matmul(a, d, lay, groups, cfg),
+    )
 
 
 def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulConfig):
