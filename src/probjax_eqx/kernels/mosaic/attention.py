@@ -136,37 +136,33 @@ class _Static:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
 
-def _mask_of(st: _Static, rebuild, op_refs, b, h, positional=None):
-    """The tile-local mask.
+def _scalar_values(st: _Static, op_refs, b, h) -> dict:
+    """The program's per-batch / per-head mask scalars, read from GMEM once."""
+    return {
+        k: ref[b] if kind == "batch" else ref[h]
+        for k, (ref, kind) in enumerate(zip(op_refs, st.kinds))
+        if kind in ("batch", "head")
+    }
 
-    Scalars are read from GMEM; `positional[k]` is operand k's tile of ids, already
-    broadcast to the score tile's shape.
+
+def _mask_of(st: _Static, rebuild, scalars: dict, positional: dict):
+    """The tile-local mask from the program's scalars and this tile's id tiles."""
+    return rebuild([scalars[k] if k in scalars else positional[k] for k in range(len(st.kinds))])
+
+
+def _id_tiles(shape, own, step, slot):
+    """Segment-id tiles broadcast to the score tile, by operand index.
+
+    `own`: `(k, buffer)` of the program's ids, along the tile's rows; `step`: `(k, ring)`
+    of the looped axis' ids, whose `slot` runs along the columns.
     """
-    values = []
-    for k, (ref, kind) in enumerate(zip(op_refs, st.kinds)):
-        if kind in ("q_pos", "kv_pos"):
-            values.append(None if positional is None else positional[k])
-        else:
-            values.append(ref[b] if kind == "batch" else ref[h])
-    return rebuild(values)
+    tiles = {k: _rows(buf[...], shape) for k, buf in own}
+    tiles.update({k: _cols(buf.at[slot][...], shape) for k, buf in step})
+    return tiles
 
 
 def _positional(st: _Static, kind: str) -> list[int]:
     return [k for k, x in enumerate(st.kinds) if x == kind]
-
-
-def _valid(st: _Static, mask, b, h, q_idx, kv_idx):
-    valid = kv_idx < st.call.kv_len
-    if mask is not None:
-        valid = valid & mask.predicate(st.ctx, b, h, q_idx, kv_idx)
-    return valid
-
-
-def _tile_loop(lo, full_lo, full_hi, hi, body, init):
-    """`body(step, carry, masked)` over `[lo, hi)`; `[full_lo, full_hi)` skips the mask."""
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def _dot(a_smem, b_smem, shape):
@@ -218,6 +214,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         for _, bar in q_ids.values():
             plgpu.barrier_wait(bar.at[wg])
         shape = (bq, bk)
+        scalars = _scalar_values(st, op_refs, b, h)
 
         def body(j, carry, masked):
             acc, m, denom = carry
@@ -229,13 +226,13 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
                 plgpu.barrier_wait(bar.at[slot])
             if masked:
-                positional = {k: _rows(buf.at[wg][...], shape) for k, (buf, _) in q_ids.items()}
-                for k, (buf, _) in kv_ids.items():
-                    positional[k] = _cols(buf.at[slot][...], shape)
-                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
+                own = [(k, buf.at[wg]) for k, (buf, _) in q_ids.items()]
+                step = [(k, buf) for k, (buf, _) in kv_ids.items()]
+                positional = _id_tiles(shape, own, step, slot)
+                mask = _mask_of(st, rebuild, scalars, positional)
                 q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-                s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+                s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_safe)
@@ -254,7 +251,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             jnp.full((bq,), -jnp.inf, jnp.float32),
             jnp.zeros((bq,), jnp.float32),
         )
-        acc, m, denom = _tile_loop(lo, full_lo, full_hi, hi, body, init)
+        acc, m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
         empty = denom == 0.0
         safe = jnp.where(empty, 1.0, denom)
         out = o_smem.at[wg]
@@ -363,6 +360,7 @@ def _dkv_kernel(*refs, st, rebuild):
     count = hi - lo
     keys = pl.ds(j * bk, bk)
     shape = (bk, bq)  # transposed scores: keys along rows
+    scalars = _scalar_values(st, op_refs, b, h)
 
     @pl.when(count > 0)
     def _():
@@ -407,11 +405,10 @@ def _dkv_kernel(*refs, st, rebuild):
             if masked:
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 0)
                 q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-                positional = {k: _rows(buf[...], shape) for k, buf in zip(kv_pos, own_ids)}
-                for k, buf in zip(q_pos, step_ids):
-                    positional[k] = _cols(buf.at[slot][...], shape)
-                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
-                valid = _valid(st, mask, b, h, q_idx, kv_idx)
+                own, step = zip(kv_pos, own_ids), zip(q_pos, step_ids)
+                positional = _id_tiles(shape, own, step, slot)
+                mask = _mask_of(st, rebuild, scalars, positional)
+                valid = _flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx)
                 scores_t = jnp.where(valid, scores_t, -jnp.inf)
             pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
             dpt = _dot(v_smem, dot_smem.at[slot], shape)
@@ -424,7 +421,7 @@ def _dkv_kernel(*refs, st, rebuild):
             plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
             return carry
 
-        _tile_loop(lo, full_lo, full_hi, hi, body, None)
+        _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
         return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(accumulate, ACC((bk, st.d), jnp.float32), ACC((bk, st.dv), jnp.float32))
@@ -456,6 +453,7 @@ def _dq_kernel(*refs, st, rebuild):
     count = hi - lo
     rows = pl.ds(i * bq, bq)
     shape = (bq, bk)
+    scalars = _scalar_values(st, op_refs, b, h)
     own = ((q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
            (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem),
            *((op_refs[k].at[b, rows], buf) for k, buf in zip(q_pos, own_ids)))  # fmt: skip
@@ -489,11 +487,10 @@ def _dq_kernel(*refs, st, rebuild):
             if masked:
                 q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-                positional = {k: _rows(buf[...], shape) for k, buf in zip(q_pos, own_ids)}
-                for k, buf in zip(kv_pos, step_ids):
-                    positional[k] = _cols(buf.at[slot][...], shape)
-                mask = _mask_of(st, rebuild, op_refs, b, h, positional)
-                s = jnp.where(_valid(st, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+                own, step = zip(q_pos, own_ids), zip(kv_pos, step_ids)
+                positional = _id_tiles(shape, own, step, slot)
+                mask = _mask_of(st, rebuild, scalars, positional)
+                s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
             p = jnp.exp2(s - _rows(lse, shape))
             dp = _dot(do_smem, vt_smem.at[slot], shape)
             ds_smem[...] = (p * (dp - _rows(delta, shape)) * st.scale).astype(dtype)
@@ -502,7 +499,7 @@ def _dq_kernel(*refs, st, rebuild):
             plgpu.wgmma_wait(0)
             return carry
 
-        _tile_loop(lo, full_lo, full_hi, hi, body, None)
+        _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
         return dq_acc[...]
 
     dq = pl.run_scoped(accumulate, ACC((bq, st.d), jnp.float32))
