@@ -50,16 +50,30 @@ def device_info() -> dict[str, Any]:
 
 
 def time_fn(
-    fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 3, repeats: int = 20
+    fn: Callable[[], Any],
+    sync: Callable[[Any], Any],
+    *,
+    warmup: int = 3,
+    repeats: int = 20,
+    budget_s: float = 10.0,
 ) -> float:
-    """Median wall time in ms of `sync(fn())` after `warmup` untimed calls."""
-    for _ in range(warmup):
+    """Median wall time in ms of `sync(fn())` after `warmup` untimed calls.
+
+    Slow cases (a reference at a large size) take fewer samples, at least 5, so that one
+    case spends about `budget_s` seconds.
+    """
+    for i in range(warmup):
+        start = time.perf_counter()
         sync(fn())
-    samples = []
-    for _ in range(repeats):
+        if i and time.perf_counter() - start > budget_s / 10:
+            break  # the first call compiled; a slow case needs no more warm-up
+    samples: list[float] = []
+    while len(samples) < repeats:
         start = time.perf_counter()
         sync(fn())
         samples.append((time.perf_counter() - start) * 1e3)
+        if len(samples) >= 5 and sum(samples) > budget_s * 1e3:
+            break
     return statistics.median(samples)
 
 

@@ -1,10 +1,13 @@
-"""MoE suite: one `MoE` layer's forward and forward+backward per dispatch mode.
+"""MoE suite: one `MoE` layer's forward and train step per dispatch mode, and the
+grouped matmul alone against `jax.lax.ragged_dot` and a balanced dense ceiling.
 
 Every mode's output is checked against the `"xla"` dispatch (ragged_dot) on the same
 parameters before its time counts; `temp_bytes` is XLA's compiled scratch memory for the
-forward+backward, the memory column of the report.
+forward+backward, the memory column of the report. The train step is the forward plus
+gradients with respect to the parameters and the input.
 """
 
+import functools
 import itertools
 
 import equinox as eqx
@@ -13,19 +16,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import classify, record, time_fn
-from probjax_eqx import MoE
+from probjax_eqx import MoE, grouped_matmul
 
-# (d_model, d_ff, experts, top_k): Mixtral-like and fine-grained DeepSeek-like layers.
-LAYERS = [(1024, 2048, 8, 2), (1024, 512, 64, 8)]
+# (d_model, d_ff, experts, top_k, shared_d_ff): a fine-grained DeepSeek-like layer.
+LAYERS = [(512, 128, 64, 8, 1024)]
 FULL = dict(tokens=[16_384, 131_072, 1_048_576], layer=LAYERS)
-QUICK = dict(tokens=[64], layer=[(32, 48, 4, 2)])
+QUICK = dict(tokens=[64], layer=[(32, 48, 4, 2, 64)])
+GMM_IMPLS = ("xla", "triton", "mosaic", "dense balanced")
 MODES = ("auto", "xla", "triton", "mosaic", "pallas", "fused_gsum")
 BF16_ATOL = 6e-2
 
 
 def _layer(layer, mode, key):
-    d, f, e, k = layer
-    return MoE(d, f, num_experts=e, top_k=k, dispatch=mode, compute_dtype="bfloat16", key=key)
+    d, f, e, k, shared = layer
+    return MoE(
+        d, f, num_experts=e, top_k=k, shared_d_ff=shared, dispatch=mode,
+        compute_dtype="bfloat16", key=key,
+    )  # fmt: skip
 
 
 def _measure(moe, x, ct, repeats):
@@ -53,11 +60,12 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
         grid["tokens"] = seqs
     names = [m for m in MODES if only is None or f"probjax moe {m}" in only]
     for tokens, layer in itertools.product(*grid.values()):
-        d, f, e, k = layer
+        yield from _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only)
+        d, f, e, k, shared = layer
         keys = jax.random.split(jax.random.key(tokens), 3)
         x = jax.random.normal(keys[0], (tokens, d), jnp.float32).astype(jnp.bfloat16)
         ct = jax.random.normal(keys[1], (tokens, d), jnp.float32)
-        flops = 2.0 * tokens * k * 3 * d * f
+        flops = 2.0 * tokens * 3 * d * (k * f + shared)
         expected = None
         for mode in names:
             row = dict(
@@ -65,7 +73,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
                 suite="moe",
                 implementation=f"probjax moe {mode}",
                 peer=False,
-                shape=dict(tokens=tokens, d_model=d, d_ff=f, experts=e, top_k=k),
+                shape=dict(
+                    tokens=tokens, d_model=d, d_ff=f, experts=e, top_k=k, shared_d_ff=shared
+                ),
                 dtype="bfloat16",
                 flops_fwd=flops,
                 flops_fwd_bwd=3 * flops,
@@ -85,3 +95,74 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
                 row["status"], row["message"] = classify(exc)
             writer.add(row)
             yield row
+
+
+def _grouped_matmul(name, lhs, rhs, sizes):
+    if name == "dense balanced":  # the same FLOPs with every group the same size
+        g, kk, n = rhs.shape
+        return lambda a, b: (
+            jnp.einsum("gmk,gkn->gmn", a.reshape(g, -1, kk), b, preferred_element_type=jnp.float32)
+            .astype(a.dtype)
+            .reshape(-1, n)
+        )
+    return lambda a, b: grouped_matmul(a, b, sizes, implementation=name)
+
+
+def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
+    """The first expert matmul (`[tokens * top_k, d_model] x [experts, d_model, 2 d_ff]`)
+    alone, fwd and fwd+bwd (dlhs, drhs), on routing drawn from a random softmax router."""
+    d, f, e, k, _ = layer
+    rows, n = tokens * k, 2 * f
+    keys = jax.random.split(jax.random.key(rows), 4)
+    logits = jax.random.normal(keys[0], (tokens, e))
+    chosen = jax.lax.top_k(logits, k)[1].reshape(-1)
+    sizes = jnp.bincount(chosen, length=e).astype(jnp.int32)
+    lhs = jax.random.normal(keys[1], (rows, d), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(keys[2], (e, d, n), jnp.float32) / d**0.5).astype(jnp.bfloat16)
+    ct = jax.random.normal(keys[3], (rows, n), jnp.float32).astype(jnp.bfloat16)
+    ends = np.cumsum(np.asarray(sizes))
+    check = np.arange(0, rows, max(1, rows // 256))[:256]
+    expected = np.asarray(
+        jax.jit(_grouped_matmul("xla", lhs, rhs, sizes))(lhs, rhs)[check], np.float32
+    )
+    for name in GMM_IMPLS:
+        if only is not None and f"grouped_matmul {name}" not in only:
+            continue
+        row = dict(
+            base_row,
+            suite="grouped_matmul",
+            implementation=f"grouped_matmul {name}",
+            peer=name in ("xla", "dense balanced"),
+            shape=dict(
+                rows=rows, k=d, n=n, groups=e, max_group=int(np.max(np.diff(ends, prepend=0)))
+            ),
+            dtype="bfloat16",
+            flops_fwd=2.0 * rows * d * n,
+            flops_fwd_bwd=6.0 * rows * d * n,
+            status="ok",
+            message="",
+        )
+        try:
+            fn = _grouped_matmul(name, lhs, rhs, sizes)
+            fwd = jax.jit(fn)
+
+            def step(a, b, fn=fn):
+                out, pullback = jax.vjp(fn, a, b)
+                return out, pullback(ct)
+
+            step = jax.jit(step)
+            got = np.asarray(fwd(lhs, rhs)[check], np.float32)
+            fwd_ms = time_fn(
+                functools.partial(fwd, lhs, rhs), jax.block_until_ready, repeats=repeats
+            )
+            bwd_ms = time_fn(
+                functools.partial(step, lhs, rhs), jax.block_until_ready, repeats=repeats
+            )
+            # The balanced ceiling computes another product: there is nothing to check.
+            want = got if name == "dense balanced" else expected
+            record(row, got, want, fwd_ms, bwd_ms, atol=BF16_ATOL,
+                   bwd_factor=3.0, against="jax.lax.ragged_dot")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            row["status"], row["message"] = classify(exc)
+        writer.add(row)
+        yield row

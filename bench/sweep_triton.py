@@ -21,6 +21,8 @@ FWD = [
     (128, 32, 4, 3),
     (64, 128, 4, 2),
     (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (128, 32, 8, 4),
 ]
 # (queries per dK/dV step, keys per dK/dV program, num_warps, num_stages); dQ uses the
 # transposed tiles.
@@ -71,15 +73,19 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--part", choices=["fwd", "bwd"], nargs="*", default=["fwd", "bwd"])
+    parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     args = parser.parse_args()
     rows = []
     for d in args.head_dim:
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v = (jax.random.normal(kk, (4, args.seq, 8, d), jnp.bfloat16) for kk in keys[:3])
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
-        for causal in (False, True):
+        for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
             for part, kwargs in _configs():
+                if part not in args.part:
+                    continue
                 row = dict(seq=args.seq, head_dim=d, causal=causal, config=kwargs, status="ok")
                 try:
                     cfg = TritonAttentionConfig(**kwargs)

@@ -254,7 +254,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         s = plt.dot(q, k_ref[tile, :], trans_b=True)
         s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # Only a masked tile can leave a row without a finite score.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         v = v_ref[tile, :]
