@@ -87,7 +87,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
                 out, fwd_ms, bwd_ms, temp = _measure(moe, x, ct, repeats)
                 if expected is None:
                     reference = _layer(layer, "xla", keys[2])  # same key: same parameters
-                    expected = np.asarray(eqx.filter_jit(reference)(x)[0][:256], np.float32)
+                    # Routing is per token: the first 256 tokens alone give the same rows
+                    # (ragged_dot on all of them runs out of memory at 131k tokens).
+                    expected = np.asarray(eqx.filter_jit(reference)(x[:256])[0], np.float32)
                 row["temp_bytes"] = temp
                 record(row, out, expected, fwd_ms, bwd_ms, atol=BF16_ATOL, bwd_factor=3.0,
                        against="the xla dispatch")  # fmt: skip
@@ -122,9 +124,10 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
     ct = jax.random.normal(keys[3], (rows, n), jnp.float32).astype(jnp.bfloat16)
     ends = np.cumsum(np.asarray(sizes))
     check = np.arange(0, rows, max(1, rows // 256))[:256]
-    expected = np.asarray(
-        jax.jit(_grouped_matmul("xla", lhs, rhs, sizes))(lhs, rhs)[check], np.float32
-    )
+    # The checked rows' exact products (ragged_dot itself runs out of memory at 1M rows).
+    group_of = np.searchsorted(ends, check, side="right")
+    up = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    expected = np.einsum("rk,rkn->rn", up(lhs[check]), up(rhs)[group_of])
     for name in GMM_IMPLS:
         if only is not None and f"grouped_matmul {name}" not in only:
             continue
@@ -161,7 +164,7 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
             # The balanced ceiling computes another product: there is nothing to check.
             want = got if name == "dense balanced" else expected
             record(row, got, want, fwd_ms, bwd_ms, atol=BF16_ATOL,
-                   bwd_factor=3.0, against="jax.lax.ragged_dot")  # fmt: skip
+                   bwd_factor=3.0, against="the exact product")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row["status"], row["message"] = classify(exc)
         writer.add(row)

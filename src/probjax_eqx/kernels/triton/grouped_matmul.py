@@ -14,6 +14,7 @@ K / N off the tiles are therefore exact. Three kernels, one custom VJP:
 import dataclasses
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -53,15 +54,18 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where each sorted row lives in the group-aligned padded buffer."""
+class Layout(eqx.Module):
+    """Where each sorted row lives in the group-aligned padded buffer.
+
+    A pytree: custom VJPs take it as an explicit (integer, non-differentiable)
+    argument, since closing over its tracers leaks them out of `jit` and `scan`.
+    """
 
     dest: jax.Array  # [M] padded row of each row (`rows`, out of bounds, past the groups)
     tile_group: jax.Array  # [tiles] group of each row tile (0 for tiles past the end)
     row_valid: jax.Array  # [rows] whether the padded row holds a real row
     group_tiles: tuple[jax.Array, jax.Array]  # per group: [first, end) row tiles
-    rows: int  # static padded row count
+    rows: int = eqx.field(static=True)  # padded row count
 
     def to_padded(self, x, cols: int | None = None):
         """`[M, c]` rows -> `[rows, cols]` in the padded layout (zeros elsewhere)."""
@@ -280,21 +284,21 @@ def padded_grouped_matmul(lhs, rhs, group_sizes, cfg, *, matmul, matmul_t, trans
     rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
-    def run(lhs, rhs_p):
+    def run(lhs, rhs_p, lay):
         return lay.from_padded(matmul(lay.to_padded(lhs, k_pad), rhs_p, lay), n)
 
-    def run_fwd(lhs, rhs_p):
-        return run(lhs, rhs_p), (lhs, rhs_p)
+    def run_fwd(lhs, rhs_p, lay):
+        return run(lhs, rhs_p, lay), (lhs, rhs_p, lay)
 
     def run_bwd(residuals, dout):
-        lhs, rhs_p = residuals
+        lhs, rhs_p, lay = residuals
         dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
         dlhs = lay.from_padded(matmul_t(dout_p, rhs_p, lay), k)
         drhs = transposed(lay.to_padded(lhs, k_pad), dout_p, lay)
-        return dlhs.astype(lhs.dtype), drhs.astype(rhs_p.dtype)
+        return dlhs.astype(lhs.dtype), drhs.astype(rhs_p.dtype), None
 
     run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs_p)
+    return run(lhs, rhs_p, lay)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
@@ -323,22 +327,22 @@ def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulCon
     rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
-    def run(x_p, rhs_p):
+    def run(x_p, rhs_p, lay, tokens):
         return _matmul(x_p, rhs_p, lay, cfg, transpose_rhs=False, tokens=tokens, gather=True)
 
-    def run_fwd(x_p, rhs_p):
-        return run(x_p, rhs_p), (x_p, rhs_p)
+    def run_fwd(x_p, rhs_p, lay, tokens):
+        return run(x_p, rhs_p, lay, tokens), (x_p, rhs_p, lay, tokens)
 
     def run_bwd(residuals, dout):
-        x_p, rhs_p = residuals
+        x_p, rhs_p, lay, tokens = residuals
         dout = dout.astype(x_p.dtype)
         dx = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, scatter=n_tokens)
         dx = jnp.pad(dx, ((0, 1), (0, 0)))  # the spare row's cotangent (dropped)
         dw = _transposed_matmul(x_p, dout, lay, groups, cfg, tokens=tokens, gather="a")
-        return dx.astype(x_p.dtype), dw.astype(rhs_p.dtype)
+        return dx.astype(x_p.dtype), dw.astype(rhs_p.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
-    return run(_with_spare_row(x, k_pad), rhs_p)[:, :n]
+    return run(_with_spare_row(x, k_pad), rhs_p, lay, tokens)[:, :n]
 
 
 def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config):
@@ -353,16 +357,16 @@ def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config)
     rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
 
     @jax.custom_vjp
-    def run(h_p, rhs_p, scale):
+    def run(h_p, rhs_p, scale, lay, tokens):
         return _matmul(
             h_p, rhs_p, lay, cfg, transpose_rhs=False, tokens=tokens, scale=scale, scatter=n_tokens
         )
 
-    def run_fwd(h_p, rhs_p, scale):
-        return run(h_p, rhs_p, scale), (h_p, rhs_p, scale)
+    def run_fwd(h_p, rhs_p, scale, lay, tokens):
+        return run(h_p, rhs_p, scale, lay, tokens), (h_p, rhs_p, scale, lay, tokens)
 
     def run_bwd(residuals, dout):
-        h_p, rhs_p, scale = residuals
+        h_p, rhs_p, scale, lay, tokens = residuals
         dout = _with_spare_row(dout.astype(h_p.dtype), dout.shape[1])
         # g[r] = dout[tokens[r]] @ rhs[g]^T, gathered inside the kernel.
         g = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, gather=True)
@@ -370,8 +374,8 @@ def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config)
         dscale = jnp.sum(h_p.astype(jnp.float32) * g.astype(jnp.float32), axis=1)
         dscale = jnp.where(lay.row_valid, dscale, 0.0)
         dw = _transposed_matmul(h_p, dout, lay, groups, cfg, tokens=tokens, gather="b", scale=scale)
-        return dh, dw.astype(rhs_p.dtype), dscale.astype(scale.dtype)
+        return dh, dw.astype(rhs_p.dtype), dscale.astype(scale.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
     h_p = jnp.pad(h, ((0, 0), (0, k_pad - k)))
-    return run(h_p, rhs_p, scale.astype(jnp.float32))[:, :n]
+    return run(h_p, rhs_p, scale.astype(jnp.float32), lay, tokens)[:, :n]
