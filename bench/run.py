@@ -11,10 +11,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench import attention_suite, kv_lengths_suite, moe_suite  # noqa: E402
+from bench import attention_suite, kv_lengths_suite, moe_suite, sequence_suite  # noqa: E402
 from bench.harness import RowWriter, device_info, versions  # noqa: E402
 
-SUITES = {"attention": attention_suite, "kv_lengths": kv_lengths_suite, "moe": moe_suite}
+SUITES = {
+    "attention": attention_suite,
+    "kv_lengths": kv_lengths_suite,
+    "moe": moe_suite,
+    "sequence": sequence_suite,
+}
 
 
 def main(argv=None) -> int:

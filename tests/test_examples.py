@@ -44,6 +44,8 @@ def test_bench_quick_run_writes_rows(tmp_path):
             "kv_lengths",
             "--suite",
             "moe",
+            "--suite",
+            "sequence",
             "--quick",
             "--repeats",
             "2",
@@ -52,6 +54,9 @@ def test_bench_quick_run_writes_rows(tmp_path):
             "probjax triton",
             "probjax moe auto",
             "probjax moe triton",
+            "grouped_matmul xla",
+            "mamba scan",
+            "mamba triton",
             "--out",
             str(out_file),
         ],
@@ -63,7 +68,9 @@ def test_bench_quick_run_writes_rows(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out_file.read_text())["rows"]
     assert {r["status"] for r in rows} == {"ok", "unsup."}
-    assert {r["suite"] for r in rows} == {"attention", "kv_lengths", "moe"}
+    assert {r["suite"] for r in rows} == {
+        "attention", "kv_lengths", "moe", "grouped_matmul", "sequence"
+    }  # fmt: skip
     for row in rows:
         assert {
             "suite",

@@ -30,12 +30,13 @@ import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 
-Implementation = Literal["auto", "xla", "triton", "cudnn", "mosaic"]
-KERNEL_NAMES: tuple[str, ...] = tuple(n for n in get_args(Implementation) if n != "auto")
+Implementation = Literal[
+    "auto", "xla", "triton", "cudnn", "mosaic", "scan", "associative", "chunked"
+]
 
 # One table per op family, keyed by device: the priority lists for "auto".
 DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
@@ -47,9 +48,19 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         "sm_90": ("mosaic", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
+    # Linear recurrences: our Triton kernels where they run, else the fastest pure-JAX path.
+    "selective_scan": {"generic": ("triton", "scan")},
+    "ssd": {"generic": ("triton", "chunked")},
+    "linear_attention": {"generic": ("triton", "chunked")},
 }
 # The module that registers each op's implementation table on import.
-_OP_MODULES = {"attention": "probjax_eqx.attention", "grouped_matmul": "probjax_eqx.moe"}
+_OP_MODULES = {
+    "attention": "probjax_eqx.attention",
+    "grouped_matmul": "probjax_eqx.moe",
+    "selective_scan": "probjax_eqx.recurrence",
+    "ssd": "probjax_eqx.recurrence",
+    "linear_attention": "probjax_eqx.recurrence",
+}
 
 # Env variable -> (op, implementation it removes from auto selection).
 ENV_OPT_OUTS: Mapping[str, tuple[str, str]] = {
@@ -270,10 +281,10 @@ def resolve(
     if op not in DEVICE_DEFAULTS:
         raise ValueError(f"unknown op {op!r}; known ops: {sorted(DEVICE_DEFAULTS)}")
     requested = "auto" if implementation is None else implementation
-    if requested not in get_args(Implementation):
+    if requested != "auto" and requested not in implementations(op):
         raise ValueError(
             f"unknown implementation={implementation!r} for {op}; "
-            f"expected None or one of {list(get_args(Implementation))}"
+            f"expected None, 'auto' or one of {sorted(implementations(op))}"
         )
     device = detect_device() if device is None else device
     opt_outs = OptOuts.from_env(environ)

@@ -5,9 +5,11 @@ The selective scan, per channel `d` and state `n`:
     h_t = exp(dt_t[d] A[d, n]) h_{t-1} + dt_t[d] B_t[n] x_t[d]
     y_t[d] = C_t . h_t[d] + D[d] x_t[d]
 
-Implementations (`implementation=`): `"scan"` (sequential `lax.scan`, the reference, O(d n)
-memory) and `"associative"` (`lax.associative_scan` over the affine maps
-`h -> a h + b`, O(L d n) memory, log-depth). `Mamba` wraps it as in Gu & Dao (2023):
+Implementations (`implementation=`, resolved through the registry's `"selective_scan"`
+entry): `"scan"` (sequential `lax.scan`, the reference, O(d n) memory), `"associative"`
+(`lax.associative_scan` over the affine maps `h -> a h + b`, O(L d n) memory, log-depth)
+and `"triton"` (our Pallas kernel, `kernels/triton/ssm.py`; the default on a GPU).
+`None`/`"auto"` takes the first that runs. `Mamba` wraps it as in Gu & Dao (2023):
 input projection to `x, z`, causal depthwise conv1d + SiLU on `x`, data-dependent `dt, B,
 C`, the scan, gating by `SiLU(z)`, output projection; parameters are initialised as in
 the official implementation (`A_log = log(1..N)`, `D = 1`, `dt` bias log-uniform in
@@ -15,14 +17,15 @@ the official implementation (`A_log = log(1..N)`, `D = 1`, `dt` bias log-uniform
 """
 
 import math
-from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-ScanImplementation = Literal["scan", "associative"]
+from probjax_eqx import recurrence
+from probjax_eqx.backends import Backend, Choice, resolve
+from probjax_eqx.kernels.triton import ssm as triton_ssm
 
 
 def selective_scan(
@@ -34,12 +37,22 @@ def selective_scan(
     d_skip: Float[Array, " d"],
     *,
     h0: Float[Array, "d n"] | None = None,
-    implementation: ScanImplementation = "scan",
+    implementation: str | Backend | None = None,
+    config: object = None,
 ) -> tuple[Float[Array, "seq d"], Float[Array, "d n"]]:
-    """The selective scan (module docstring) in float32; returns `y` and the last state."""
+    """The selective scan (module docstring) in float32; returns `y` and the last state.
+
+    `implementation`: `None`/`"auto"`, `"scan"`, `"associative"`, `"triton"` or a resolved
+    `Backend`; `config` a `SelectiveScanConfig` for `"triton"`.
+    """
     f32 = jnp.float32
-    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
+    choice = recurrence.select("selective_scan", x.shape[0], x.dtype, implementation, config)
     h0 = jnp.zeros(a.shape, f32) if h0 is None else h0.astype(f32)
+    if choice.kernel == "triton":
+        y, h_last = triton_ssm.selective_scan(x, dt, a, b, c, h0, config=choice.config)
+        return y + d_skip.astype(f32) * x.astype(f32), h_last
+    implementation = choice.kernel
+    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
     decay = jnp.exp(dt[:, :, None] * a[None])  # [seq, d, n]
     drive = (dt * x)[:, :, None] * b[:, None, :]  # [seq, d, n]
     if implementation == "scan":
@@ -90,7 +103,8 @@ class Mamba(eqx.Module):
     out_proj: Float[Array, "d_inner d_model"]
     d_state: int = eqx.field(static=True)
     dt_rank: int = eqx.field(static=True)
-    implementation: ScanImplementation = eqx.field(static=True)
+    backend: Backend = eqx.field(static=True)
+    config: object = eqx.field(static=True)
 
     def __init__(
         self,
@@ -103,7 +117,8 @@ class Mamba(eqx.Module):
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
-        implementation: ScanImplementation = "scan",
+        implementation: str | None = None,
+        config: object = None,
         dtype=None,
         key: PRNGKeyArray,
     ):
@@ -118,12 +133,12 @@ class Mamba(eqx.Module):
             dt_min: lower end of the `dt` initialisation range.
             dt_max: upper end of the `dt` initialisation range.
             dt_init_floor: smallest initial `dt`.
-            implementation: `"scan"` or `"associative"`.
+            implementation: the selective scan's backend: `None`/`"auto"`, `"scan"`,
+                `"associative"` or `"triton"`.
+            config: the pinned implementation's config (a `SelectiveScanConfig`).
             dtype: parameter dtype.
             key: PRNG key.
         """
-        if implementation not in ("scan", "associative"):
-            raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'associative'")
         dtype = jnp.float32 if dtype is None else dtype
         d_inner = expand * d_model
         dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
@@ -142,7 +157,8 @@ class Mamba(eqx.Module):
         self.d_skip = jnp.ones((d_inner,), dtype)
         self.out_proj = _uniform(keys[5], (d_inner, d_model), d_inner**-0.5, dtype)
         self.d_state, self.dt_rank = d_state, dt_rank
-        self.implementation = implementation
+        self.backend = resolve("selective_scan", implementation)
+        self.config = config
 
     @property
     def d_inner(self) -> int:
@@ -171,10 +187,15 @@ class Mamba(eqx.Module):
         u, window = self._conv(u, cache.conv)
         dt, a, b, c = self._ssm_inputs(u)
         y, h = selective_scan(
-            u, dt, a, b, c, self.d_skip, h0=cache.ssm, implementation=self.implementation
-        )
+            u, dt, a, b, c, self.d_skip, h0=cache.ssm, implementation=self.backend,
+            config=self.config,
+        )  # fmt: skip
         y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
         return y @ self.out_proj, MambaCache(window, h)
+
+    def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
+        """The selective scan's `Choice` for `x` `[seq, d_model]`."""
+        return recurrence.select("selective_scan", x.shape[0], x.dtype, self.backend, self.config)
 
     def init_cache(self, dtype=None) -> MambaCache:
         """The state before the first token."""
@@ -207,20 +228,33 @@ def ssd(
     *,
     chunk: int = 64,
     h0: Float[Array, "heads p n"] | None = None,
-    implementation: Literal["scan", "chunked"] = "chunked",
+    implementation: str | Backend | None = None,
+    config: object = None,
 ) -> tuple[Float[Array, "seq heads p"], Float[Array, "heads p n"]]:
     """Mamba-2's scan with a scalar decay per head, in float32; returns `y` and the last state.
 
     `h_t = exp(dt_t a) h_{t-1} + dt_t x_t B_t^T`, `y_t = h_t C_t + D x_t` per head.
     `"chunked"` is the state-space duality: within a chunk a masked, decay-weighted
-    `C B^T` matmul; across chunks the carried state.
+    `C B^T` matmul; across chunks the carried state. `"triton"` is the same on our Pallas
+    kernel (`config`: a `ChunkedLinearConfig`, whose `chunk` it uses); `"scan"` the
+    sequential reference. `None`/`"auto"` resolves through the registry's `"ssd"` entry.
     """
     f32 = jnp.float32
-    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
     seq, heads, p = x.shape
     n = b.shape[1]
+    choice = recurrence.select("ssd", seq, x.dtype, implementation, config)
     h0 = jnp.zeros((heads, p, n), f32) if h0 is None else h0.astype(f32)
-    skip = d_skip.astype(f32)[None, :, None] * x
+    skip = d_skip.astype(f32)[None, :, None] * x.astype(f32)
+    if choice.kernel == "triton":
+        # B and C are one group shared by every head: q = C, k = B, v = dt x.
+        v = (dt[..., None].astype(f32) * x.astype(f32)).astype(x.dtype)
+        y, h_last = triton_ssm.chunked_linear_attention(
+            c[:, None], b[:, None], v, dt.astype(f32) * a.astype(f32), jnp.swapaxes(h0, 1, 2),
+            config=choice.config,
+        )  # fmt: skip
+        return y + skip, jnp.swapaxes(h_last, 1, 2)
+    implementation = choice.kernel
+    x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
     if implementation == "scan":
 
         def step(h, inputs):
@@ -230,8 +264,6 @@ def ssd(
 
         h_last, y = jax.lax.scan(step, h0, (x, dt, b, c))
         return y + skip, h_last
-    if implementation != "chunked":
-        raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'chunked'")
     pad = -seq % chunk
     padded = [jnp.pad(t, [(0, pad)] + [(0, 0)] * (t.ndim - 1)) for t in (x, dt, b, c)]
     xs, dts, bs, cs = (t.reshape(-1, chunk, *t.shape[1:]) for t in padded)
@@ -279,7 +311,8 @@ class Mamba2(eqx.Module):
     head_dim: int = eqx.field(static=True)
     d_state: int = eqx.field(static=True)
     chunk: int = eqx.field(static=True)
-    implementation: Literal["scan", "chunked"] = eqx.field(static=True)
+    backend: Backend = eqx.field(static=True)
+    config: object = eqx.field(static=True)
 
     def __init__(
         self,
@@ -292,7 +325,8 @@ class Mamba2(eqx.Module):
         chunk: int = 64,
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
-        implementation: Literal["scan", "chunked"] = "chunked",
+        implementation: str | None = None,
+        config: object = None,
         dtype=None,
         key: PRNGKeyArray,
     ):
@@ -304,10 +338,12 @@ class Mamba2(eqx.Module):
             d_conv: causal conv1d width.
             expand: inner width `expand * d_model` (a multiple of `head_dim`).
             head_dim: channels per head P.
-            chunk: chunk length of the `"chunked"` scan.
+            chunk: chunk length of the `"chunked"` scan (`"triton"` takes its config's).
             dt_min: lower end of the `dt` initialisation range.
             dt_max: upper end of the `dt` initialisation range.
-            implementation: `"scan"` or `"chunked"`.
+            implementation: the SSD backend: `None`/`"auto"`, `"scan"`, `"chunked"` or
+                `"triton"`.
+            config: the pinned implementation's config (a `ChunkedLinearConfig`).
             dtype: parameter dtype.
             key: PRNG key.
         """
@@ -331,11 +367,16 @@ class Mamba2(eqx.Module):
         self.norm = jnp.ones((d_inner,), dtype)
         self.out_proj = _uniform(keys[4], (d_inner, d_model), d_inner**-0.5, dtype)
         self.head_dim, self.d_state, self.chunk = head_dim, d_state, chunk
-        self.implementation = implementation
+        self.backend = resolve("ssd", implementation)
+        self.config = config
 
     @property
     def d_inner(self) -> int:
         return self.norm.shape[0]
+
+    def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
+        """The SSD's `Choice` for `x` `[seq, d_model]`."""
+        return recurrence.select("ssd", x.shape[0], x.dtype, self.backend, self.config)
 
     def init_cache(self, dtype=None) -> Mamba2Cache:
         dtype = self.in_proj.dtype if dtype is None else dtype
@@ -359,7 +400,7 @@ class Mamba2(eqx.Module):
         a = -jnp.exp(self.a_log.astype(jnp.float32))
         y, h = ssd(
             u.reshape(seq, -1, self.head_dim), dt, a, b, c, self.d_skip,
-            chunk=self.chunk, h0=cache.ssm, implementation=self.implementation,
+            chunk=self.chunk, h0=cache.ssm, implementation=self.backend, config=self.config,
         )  # fmt: skip
         y = y.reshape(seq, di) * jax.nn.silu(z.astype(jnp.float32))
         y = y * jax.lax.rsqrt(jnp.mean(y**2, -1, keepdims=True) + 1e-6) * self.norm

@@ -8,24 +8,23 @@ attention backends with `causal_local_window(w)`); the linear branch covers ever
 
     o_lin_t = phi(q_t)^T S_t,   S_t = sum_{s <= t - w} phi(k_s) v_s^T   (float32)
 
-Each branch is RMS-normalised per head and the two are summed. `implementation`:
-`"scan"` (one key enters the state per step: the reference) or `"chunked"` (chunks of
-`chunk` queries: the state at the chunk start plus a masked intra-chunk product, which is
-causal linear attention on keys delayed by `w`).
+Each branch is RMS-normalised per head and the two are summed. The linear branch's
+`implementation` (the registry's `"linear_attention"` entry): `"scan"` (one key enters
+the state per step: the reference), `"chunked"` (chunks of `chunk` queries: the state
+at the chunk start plus a masked intra-chunk product, which is causal linear attention
+on keys delayed by `w`) or `"triton"` (the same chunking in our Pallas kernel,
+`kernels/triton/ssm.py`; the default on a GPU).
 """
-
-from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from probjax_eqx import masks
+from probjax_eqx import masks, recurrence
 from probjax_eqx.attention import dot_product_attention
-from probjax_eqx.backends import Backend, resolve
-
-LinearImplementation = Literal["scan", "chunked"]
+from probjax_eqx.backends import Backend, Choice, resolve
+from probjax_eqx.kernels.triton import ssm as triton_ssm
 
 
 def feature_map(x: Float[Array, "... d"]) -> Float[Array, "... two_d"]:
@@ -46,10 +45,17 @@ def linear_outside_window(
     *,
     window: int,
     chunk: int = 128,
-    implementation: LinearImplementation = "chunked",
+    implementation: str | Backend | None = None,
+    config: object = None,
 ) -> Float[Array, "seq heads dv"]:
-    """The linear branch `phi(q_t)^T sum_{s <= t - window} phi(k_s) v_s^T` (float32)."""
+    """The linear branch `phi(q_t)^T sum_{s <= t - window} phi(k_s) v_s^T` (float32).
+
+    `implementation`: `None`/`"auto"`, `"scan"`, `"chunked"`, `"triton"` (`config`: a
+    `ChunkedLinearConfig`, whose `chunk` it uses) or a resolved `Backend`.
+    """
     seq, heads, _ = q.shape
+    choice = recurrence.select("linear_attention", seq, q.dtype, implementation, config)
+    implementation = choice.kernel
     fq = feature_map(q)
     # Keys delayed by `window` make the branch causal linear attention; the first
     # `window` delayed rows are padding and carry zero features.
@@ -57,6 +63,12 @@ def linear_outside_window(
     fk = jnp.where(present, _delayed(feature_map(k), window), 0.0)
     vd = _delayed(v.astype(jnp.float32), window)
     state0 = jnp.zeros((heads, fq.shape[-1], v.shape[-1]), jnp.float32)
+    if implementation == "triton":  # features in the input dtype: 16-bit tensor-core dots
+        low = lambda t: t.astype(q.dtype)  # noqa: E731
+        out, _ = triton_ssm.chunked_linear_attention(
+            low(fq), low(fk), low(vd), None, state0, config=choice.config
+        )
+        return out
     if implementation == "scan":
 
         def step(state, inputs):
@@ -65,8 +77,6 @@ def linear_outside_window(
             return state, jnp.einsum("hf,hfv->hv", fq_t, state)
 
         return jax.lax.scan(step, state0, (fq, fk, vd))[1]
-    if implementation != "chunked":
-        raise ValueError(f"implementation={implementation!r}: expected 'scan' or 'chunked'")
     pad = -seq % chunk
     blocks = [jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (fq, fk, vd)]
     blocks = [a.reshape(-1, chunk, *a.shape[1:]) for a in blocks]
@@ -111,7 +121,8 @@ class RLA(eqx.Module):
     num_heads: int = eqx.field(static=True)
     window: int = eqx.field(static=True)
     chunk: int = eqx.field(static=True)
-    implementation: LinearImplementation = eqx.field(static=True)
+    linear_backend: Backend = eqx.field(static=True)
+    linear_config: object = eqx.field(static=True)
     backend: Backend = eqx.field(static=True)
 
     def __init__(
@@ -121,7 +132,8 @@ class RLA(eqx.Module):
         *,
         window: int = 512,
         chunk: int = 128,
-        implementation: LinearImplementation = "chunked",
+        implementation: str | None = None,
+        linear_config: object = None,
         attention_implementation: str | None = None,
         dtype=None,
         key: PRNGKeyArray,
@@ -133,7 +145,9 @@ class RLA(eqx.Module):
             num_heads: heads of both branches.
             window: keys per query in the softmax branch (itself included).
             chunk: queries per chunk of the chunked linear branch.
-            implementation: linear branch, `"scan"` or `"chunked"`.
+            implementation: the linear branch's backend: `None`/`"auto"`, `"scan"`,
+                `"chunked"` or `"triton"`.
+            linear_config: that backend's config (a `ChunkedLinearConfig`).
             attention_implementation: the softmax branch's attention backend.
             dtype: parameter dtype.
             key: PRNG key.
@@ -152,7 +166,8 @@ class RLA(eqx.Module):
         self.norm_window = jnp.ones((head_dim,), dtype)
         self.norm_linear = jnp.ones((head_dim,), dtype)
         self.num_heads, self.window, self.chunk = num_heads, window, chunk
-        self.implementation = implementation
+        self.linear_backend = resolve("linear_attention", implementation)
+        self.linear_config = linear_config
         self.backend = resolve("attention", attention_implementation)
 
     def _qkv(self, x):
@@ -170,9 +185,16 @@ class RLA(eqx.Module):
             q[None], k[None], v[None], mask=window_mask, implementation=self.backend
         )[0]
         o_linear = linear_outside_window(
-            q, k, v, window=self.window, chunk=self.chunk, implementation=self.implementation
-        )
+            q, k, v, window=self.window, chunk=self.chunk, implementation=self.linear_backend,
+            config=self.linear_config,
+        )  # fmt: skip
         return self._combine(o_window, o_linear, x.dtype)
+
+    def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
+        """The linear branch's `Choice` for `x` `[seq, d_model]`."""
+        return recurrence.select(
+            "linear_attention", x.shape[0], x.dtype, self.linear_backend, self.linear_config
+        )
 
     def init_cache(self, dtype=None) -> RLACache:
         dtype = self.w_q.dtype if dtype is None else dtype

@@ -1,0 +1,92 @@
+"""Sweep grouped-matmul tiles and time its parts: `python -m bench.sweep_gmm --out F`.
+
+One MoE-like shape (`[tokens * top_k, d_model] x [experts, d_model, n]`, rows drawn from
+a random top-k router). Rows: the layout computation, the row padding, and the whole
+`grouped_matmul` fwd and fwd+bwd for each config of each kernel.
+"""
+
+import argparse
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from bench.harness import classify, time_fn
+from probjax_eqx import grouped_matmul
+from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
+from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
+
+TRITON = [  # block_m, block_n, block_k, num_warps, num_stages
+    (64, 64, 32, 4, 2),
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 128, 128, 8, 2),
+    (64, 256, 64, 4, 3),
+]
+MOSAIC = [(128, 64, 2), (256, 64, 2), (128, 64, 3), (256, 64, 3), (128, 128, 2)]  # n, k, stages
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--tokens", type=int, default=131_072)
+    parser.add_argument("--shape", type=int, nargs=4, default=[8, 512, 256, 64], metavar="KDNE")
+    args = parser.parse_args()
+    top_k, d, n, e = args.shape
+    rows = args.tokens * top_k
+    keys = jax.random.split(jax.random.key(0), 4)
+    chosen = jax.lax.top_k(jax.random.normal(keys[0], (args.tokens, e)), top_k)[1]
+    sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
+    lhs = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
+    rhs = jax.random.normal(keys[2], (e, d, n), jnp.bfloat16) / d**0.5
+    ct = jax.random.normal(keys[3], (rows, n), jnp.bfloat16)
+    out, results = [], {}
+
+    def add(row):
+        out.append(row)
+        args.out.write_text(json.dumps({"rows": out}, indent=1))
+        print(row, flush=True)
+
+    sync = jax.block_until_ready
+    lay_fn = jax.jit(lambda s: triton_gmm.layout(s, rows, 64))
+    lay = lay_fn(sizes)
+    add(dict(part="layout", ms=time_fn(functools.partial(lay_fn, sizes), sync)))
+    pad = jax.jit(lambda x, lay: lay.to_padded(x))
+    add(dict(part="to_padded", ms=time_fn(functools.partial(pad, lhs, lay), sync)))
+    unpad = jax.jit(lambda x, lay: lay.from_padded(x, x.shape[1]))
+    padded = pad(lhs, lay)
+    add(dict(part="from_padded", ms=time_fn(functools.partial(unpad, padded, lay), sync)))
+    configs = [("triton", triton_gmm.TritonGroupedMatmulConfig(
+        block_m=m, block_n=bn, block_k=bk, num_warps=w, num_stages=s))
+        for m, bn, bk, w, s in TRITON]  # fmt: skip
+    configs += [("mosaic", MosaicGroupedMatmulConfig(block_n=bn, block_k=bk, num_stages=s))
+                for bn, bk, s in MOSAIC]  # fmt: skip
+    for impl, cfg in configs:
+        row = dict(part="grouped_matmul", impl=impl, config=repr(cfg), status="ok")
+        try:
+            fn = functools.partial(grouped_matmul, group_sizes=sizes, implementation=impl,
+                                   config=cfg)  # fmt: skip
+            fwd = jax.jit(fn)
+
+            def step(a, b, fn=fn):
+                y, pullback = jax.vjp(fn, a, b)
+                return y, pullback(ct)
+
+            step = jax.jit(step)
+            row["fwd_ms"] = time_fn(functools.partial(fwd, lhs, rhs), sync)
+            row["fwd_bwd_ms"] = time_fn(functools.partial(step, lhs, rhs), sync)
+            flops = 2.0 * rows * d * n
+            row["tflops_fwd"] = flops / row["fwd_ms"] / 1e9
+            row["tflops_fwd_bwd"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            row["status"], row["message"] = classify(exc)
+        results[repr(cfg)] = row
+        add(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Pallas Triton kernels for linear recurrences: the selective scan and chunked linear attention.
+
+Both are unbatched (`jax.vmap` adds a grid axis), compute in float32 and have one
+`jax.custom_vjp` each.
+
+- `selective_scan` (Mamba-1): `h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t`, `y_t = C_t . h_t`,
+  per channel `d` and state `n`. One program owns `block_d` channels and walks the
+  sequence with its `[N, block_d]` state in registers. The decay differs per (d, n), so
+  there is no matmul form; the win over `lax.scan` is one kernel instead of a loop of
+  XLA launches. For the backward, the forward stores every step's state (float32
+  `[seq, N, d]`, the same residual memory as differentiating the `lax.scan` reference);
+  the backward walks the sequence in reverse.
+- `chunked_linear_attention` (Mamba-2 SSD, the RLA linear branch):
+  `o_t = q_t^T S_t`, `S_t = exp(g_t) S_{t-1} + k_t v_t^T` with a scalar log-decay `g_t <= 0`
+  per head and step (or none). One program per head walks chunks of `chunk` steps: within
+  a chunk a causal, decay-weighted `q k^T` matmul; across chunks the carried `[dk, dv]`
+  state. The decay enters only as `exp(G_i - G_j)` with `i >= j` and `exp(G)` for the
+  chunk-local cumulative `G <= 0`, never as `exp(-G)`, so nothing overflows. The
+  forward stores the state at each chunk start for the backward, which walks the
+  chunks in reverse carrying the state's cotangent; the cotangent of the cumulative log
+  decay is `q . dq - k . dk` per step plus `sum(dS * S)` at each chunk end.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+f32 = jnp.float32
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectiveScanConfig:
+    """Tiles of the Triton selective scan.
+
+    Attributes:
+        block_d: channels per program (a power of two).
+        num_warps: warps per program.
+        num_stages: software pipelining depth of the time loop.
+        interpret: run in Pallas interpret mode (CPU tests).
+    """
+
+    block_d: int = 32
+    num_warps: int = 2
+    num_stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.block_d < 1 or self.block_d & (self.block_d - 1):
+            raise ValueError(f"block_d={self.block_d} must be a power of two")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkedLinearConfig:
+    """Tiles of the Triton chunked linear attention.
+
+    Attributes:
+        chunk: steps per chunk (a power of two >= 16).
+        num_warps: warps per program.
+        num_stages: software pipelining depth of the chunk loop.
+        interpret: run in Pallas interpret mode (CPU tests).
+    """
+
+    chunk: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"chunk={self.chunk} must be a power of two >= 16")
+
+
+def _params(cfg):
+    return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# --- selective scan ---------------------------------------------------------------------
+# Layout in the kernels: the state is [N, block_d] (states down, channels across), so a
+# step's x/dt rows are [1, block_d] loads and its B/C columns [N, 1] loads of B^T/C^T.
+
+
+def _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref):
+    row, col = pl.ds(t, 1), pl.ds(t, 1)
+    x = x_ref[row, :].astype(f32)
+    dt = dt_ref[row, :].astype(f32)
+    return x, dt, bt_ref[:, col].astype(f32), ct_ref[:, col].astype(f32)
+
+
+def _scan_fwd_kernel(x_ref, dt_ref, at_ref, bt_ref, ct_ref, h0_ref, y_ref, ht_ref, *states,
+                     n_state: int):  # fmt: skip
+    a_t = at_ref[...]
+
+    def step(t, h):
+        x, dt, b, c = _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref)
+        h = jnp.exp(dt * a_t) * h + (dt * x) * b
+        y_ref[pl.ds(t, 1), :] = jnp.sum(h * c, axis=0, keepdims=True)
+        if states:
+            states[0][pl.ds(t * n_state, n_state), :] = h
+        return h
+
+    ht_ref[...] = jax.lax.fori_loop(0, x_ref.shape[0], step, h0_ref[...])
+
+
+def _scan_bwd_kernel(*refs, n_state: int):
+    x_ref, dt_ref, at_ref, bt_ref, ct_ref, h0_ref, states_ref, dy_ref, dht_ref = refs[:9]
+    dx_ref, ddt_ref, dat_ref, dbt_ref, dct_ref, dh0_ref = refs[9:]
+    a_t = at_ref[...]
+    h0 = h0_ref[...]
+
+    def step(i, carry):
+        dh, da = carry
+        t = x_ref.shape[0] - 1 - i
+        x, dt, b, c = _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref)
+        h = states_ref[pl.ds(t * n_state, n_state), :]
+        before = states_ref[pl.ds(jnp.maximum(t - 1, 0) * n_state, n_state), :]
+        h_prev = jnp.where(t > 0, before, h0)
+        dy = dy_ref[pl.ds(t, 1), :].astype(f32)
+        dh = dh + c * dy
+        dct_ref[:, pl.ds(t, 1)] = jnp.sum(h * dy, axis=1, keepdims=True)
+        decay = jnp.exp(dt * a_t)
+        through_decay = dh * decay * h_prev  # dL/d(dt A)
+        ddt_ref[pl.ds(t, 1), :] = jnp.sum(through_decay * a_t + dh * x * b, axis=0, keepdims=True)
+        dx_ref[pl.ds(t, 1), :] = dt * jnp.sum(dh * b, axis=0, keepdims=True)
+        dbt_ref[:, pl.ds(t, 1)] = jnp.sum(dh * (dt * x), axis=1, keepdims=True)
+        return decay * dh, da + through_decay * dt
+
+    zeros = jnp.zeros(a_t.shape, f32)
+    dh, da = jax.lax.fori_loop(0, x_ref.shape[0], step, (dht_ref[...], zeros))
+    dh0_ref[...] = dh
+    dat_ref[...] = da
+
+
+def _scan_specs(seq, n, bd, *, blocks: int):
+    rows = pl.BlockSpec((seq, bd), lambda j: (0, j))
+    state = pl.BlockSpec((n, bd), lambda j: (0, j))
+    cols = pl.BlockSpec((n, seq), lambda j: (0, 0))
+    return rows, state, cols
+
+
+def _scan_call(kernel, cfg, d, grid, in_specs, out_specs, out_shape, name):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg),
+        interpret=cfg.interpret,
+        name=name,
+    )
+
+
+def _scan_forward(x, dt, a_t, b_t, c_t, h0_t, cfg, *, keep_states: bool):
+    seq, d = x.shape
+    n, bd = a_t.shape[0], cfg.block_d
+    blocks = d // bd
+    rows, state, cols = _scan_specs(seq, n, bd, blocks=blocks)
+    out_specs = [rows, state]
+    out_shape = [jax.ShapeDtypeStruct((seq, d), f32), jax.ShapeDtypeStruct((n, d), f32)]
+    if keep_states:
+        out_specs.append(pl.BlockSpec((seq * n, bd), lambda j: (0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((seq * n, d), f32))
+    outs = _scan_call(
+        functools.partial(_scan_fwd_kernel, n_state=n), cfg, d, (blocks,),
+        [rows, rows, state, cols, cols, state], out_specs, out_shape,
+        "probjax_selective_scan_fwd_triton",
+    )(x, dt, a_t, b_t, c_t, h0_t)  # fmt: skip
+    return outs
+
+
+def _scan_backward(x, dt, a_t, b_t, c_t, h0_t, states, dy, dht, cfg):
+    seq, d = x.shape
+    n, bd = a_t.shape[0], cfg.block_d
+    blocks = d // bd
+    rows, state, cols = _scan_specs(seq, n, bd, blocks=blocks)
+    partial = pl.BlockSpec((None, n, seq), lambda j: (j, 0, 0))  # per program: summed after
+    dx, ddt, da_t, db_t, dc_t, dh0_t = _scan_call(
+        functools.partial(_scan_bwd_kernel, n_state=n), cfg, d, (blocks,),
+        [rows, rows, state, cols, cols, state, pl.BlockSpec((seq * n, bd), lambda j: (0, j)),
+         rows, state],
+        [rows, rows, state, partial, partial, state],
+        [jax.ShapeDtypeStruct((seq, d), f32), jax.ShapeDtypeStruct((seq, d), f32),
+         jax.ShapeDtypeStruct((n, d), f32), jax.ShapeDtypeStruct((blocks, n, seq), f32),
+         jax.ShapeDtypeStruct((blocks, n, seq), f32), jax.ShapeDtypeStruct((n, d), f32)],
+        "probjax_selective_scan_bwd_triton",
+    )(x, dt, a_t, b_t, c_t, h0_t, states, dy, dht)  # fmt: skip
+    return dx, ddt, da_t, db_t.sum(0), dc_t.sum(0), dh0_t
+
+
+def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
+    """`(y, h_last)` of the selective scan without the `D x` skip (module docstring).
+
+    Shapes: `x, dt` `[seq, d]`, `a` `[d, n]`, `b, c` `[seq, n]`, `h0` `[d, n]`; float32 out.
+    """
+    cfg = config
+    seq, d = x.shape
+    n = a.shape[1]
+    n_pad, d_pad = _next_pow2(n), _round_up(d, cfg.block_d)
+    # Padded channels have dt = 0 and padded states B = C = 0: their state stays zero.
+    pad_d = lambda t: jnp.pad(t, ((0, 0), (0, d_pad - d)))  # noqa: E731
+    pad_n = lambda t: jnp.pad(t, ((0, n_pad - n), (0, 0)))  # noqa: E731
+    state_t = lambda s: pad_d(pad_n(s.astype(f32).T))  # noqa: E731  [d, n] -> [n_pad, d_pad]
+
+    @jax.custom_vjp
+    def run(x, dt, a, b, c, h0):
+        y, h_last = _scan_forward(pad_d(x), pad_d(dt), state_t(a), pad_n(b.T), pad_n(c.T),
+                                  state_t(h0), cfg, keep_states=False)  # fmt: skip
+        return y[:, :d], h_last[:n, :d].T
+
+    def run_fwd(x, dt, a, b, c, h0):
+        ops = (pad_d(x), pad_d(dt), state_t(a), pad_n(b.T), pad_n(c.T), state_t(h0))
+        y, h_last, states = _scan_forward(*ops, cfg, keep_states=True)
+        return (y[:, :d], h_last[:n, :d].T), (ops, states, (x, dt, a, b, c, h0))
+
+    def run_bwd(residuals, cotangents):
+        ops, states, primals = residuals
+        dy, dh_last = cotangents
+        dx, ddt, da_t, db_t, dc_t, dh0_t = _scan_backward(
+            *ops, states, pad_d(dy.astype(f32)), state_t(dh_last), cfg
+        )
+        grads = (dx[:, :d], ddt[:, :d], da_t[:n, :d].T, db_t[:n].T, dc_t[:n].T, dh0_t[:n, :d].T)
+        return tuple(g.astype(p.dtype) for g, p in zip(grads, primals))
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(x, dt, a, b, c, h0)
+
+
+# --- chunked linear attention -------------------------------------------------------------
+
+
+def _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay):
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
+    idx = jnp.arange(chunk, dtype=jnp.int32)
+    causal = idx[:, None] >= idx[None, :]
+    if not decay:
+        return q, k, v, None, causal.astype(f32), None, None
+    g = g_ref[rows]  # chunk-local cumulative log decay, non-increasing, <= 0
+    g_last = jnp.sum(jnp.where(idx == chunk - 1, g, 0.0))
+    pair = jnp.exp(jnp.where(causal, g[:, None] - g[None, :], -jnp.inf))
+    return q, k, v, g, pair, g_last, jnp.exp(g_last - g)
+
+
+def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *states,
+                       chunk: int, decay: bool):  # fmt: skip
+    dk = q_ref.shape[1]
+
+    def body(c, state):
+        q, k, v, g, pair, g_last, to_end = _chunk_operands(
+            q_ref, k_ref, v_ref, g_ref, c, chunk, decay
+        )
+        if states:
+            states[0][pl.ds(c * dk, dk), :] = state
+        dtype = v.dtype
+        scores = plt.dot(q, k, trans_b=True) * pair
+        o = plt.dot(scores.astype(dtype), v)
+        q_in = q.astype(f32) if g is None else q.astype(f32) * jnp.exp(g)[:, None]
+        o = o + plt.dot(q_in.astype(dtype), state.astype(dtype))
+        o_ref[pl.ds(c * chunk, chunk), :] = o.astype(o_ref.dtype)
+        k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
+        update = plt.dot(k_in.astype(dtype), v, trans_a=True)
+        return (state if g is None else jnp.exp(g_last) * state) + update
+
+    ht_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // chunk, body, h0_ref[...].astype(f32))
+
+
+def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
+    q_ref, k_ref, v_ref, g_ref, states_ref, do_ref, dht_ref = refs[:7]
+    dq_ref, dk_ref, dv_ref, dg_ref, dh0_ref = refs[7:]
+    dk_dim = q_ref.shape[1]
+    n_chunks = q_ref.shape[0] // chunk
+
+    def body(i, ds):
+        c = n_chunks - 1 - i
+        q, k, v, g, pair, g_last, to_end = _chunk_operands(
+            q_ref, k_ref, v_ref, g_ref, c, chunk, decay
+        )
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        do = do_ref[rows, :]
+        state = states_ref[pl.ds(c * dk_dim, dk_dim), :]  # at the chunk start
+        dtype = v.dtype
+        lo = lambda t: t.astype(dtype)  # noqa: E731
+        scores = plt.dot(q, k, trans_b=True) * pair
+        dscores = plt.dot(do, v, trans_b=True) * pair
+        e_g = None if g is None else jnp.exp(g)[:, None]
+        dq = plt.dot(lo(do), lo(state), trans_b=True)
+        dq = (dq if e_g is None else dq * e_g) + plt.dot(lo(dscores), k)
+        dk = plt.dot(v, lo(ds), trans_b=True)
+        dk = (dk if g is None else dk * to_end[:, None]) + plt.dot(lo(dscores), q, trans_a=True)
+        k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
+        dv = plt.dot(lo(k_in), lo(ds)) + plt.dot(lo(scores), do, trans_a=True)
+        dq_ref[rows, :] = dq
+        dk_ref[rows, :] = dk
+        dv_ref[rows, :] = dv
+        q_in = q.astype(f32) if e_g is None else q.astype(f32) * e_g
+        if decay:
+            after = jnp.exp(g_last) * state + plt.dot(lo(k_in), v, trans_a=True)
+            idx = jnp.arange(chunk, dtype=jnp.int32)
+            dg = jnp.sum(q.astype(f32) * dq, axis=1) - jnp.sum(k.astype(f32) * dk, axis=1)
+            dg_ref[rows] = dg + jnp.where(idx == chunk - 1, jnp.sum(ds * after), 0.0)
+            ds = jnp.exp(g_last) * ds
+        return ds + plt.dot(lo(q_in), do, trans_a=True)
+
+    dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
+
+
+def _linear_specs(seq, dk, dv, group, n_chunks):
+    qk = pl.BlockSpec((seq, None, dk), lambda h: (0, h // group, 0))
+    per_head = lambda width: pl.BlockSpec((seq, None, width), lambda h: (0, h, 0))  # noqa: E731
+    g = pl.BlockSpec((None, seq), lambda h: (h, 0))
+    state = pl.BlockSpec((None, dk, dv), lambda h: (h, 0, 0))
+    states = pl.BlockSpec((None, n_chunks * dk, dv), lambda h: (h, 0, 0))
+    return qk, per_head, g, state, states
+
+
+def _linear_call(kernel, cfg, heads, in_specs, out_specs, out_shape, name):
+    return pl.pallas_call(
+        kernel,
+        grid=(heads,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg),
+        interpret=cfg.interpret,
+        name=name,
+    )
+
+
+def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearConfig):
+    """`(o, h_last)`: `o_t = q_t^T S_t`, `S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T`.
+
+    Shapes: `q, k` `[seq, kv_heads, dk]` (each shared by `heads / kv_heads` heads), `v`
+    `[seq, heads, dv]`, `log_decay` `[seq, heads]` (`<= 0`) or `None`, `h0`
+    `[heads, dk, dv]`. `o` is float32 `[seq, heads, dv]`, `h_last` `[heads, dk, dv]`.
+    """
+    cfg, chunk = config, config.chunk
+    seq, kv_heads, dk = q.shape
+    heads, dv = v.shape[1], v.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    group = heads // kv_heads
+    seq_p, dk_p, dv_p = _round_up(seq, chunk), _next_pow2(dk, 16), _next_pow2(dv, 16)
+    n_chunks = seq_p // chunk
+    decay = log_decay is not None
+    dtype = jnp.promote_types(q.dtype, v.dtype)
+
+    def pad(t, width):
+        return jnp.pad(t.astype(dtype), ((0, seq_p - seq), (0, 0), (0, width - t.shape[2])))
+
+    def pad_state(s):
+        return jnp.pad(s.astype(f32), ((0, 0), (0, dk_p - dk), (0, dv_p - dv)))
+
+    def cumulative(g):  # [seq, heads] -> chunk-local cumsum, [heads, seq_p]
+        g = jnp.pad(g.astype(f32), ((0, seq_p - seq), (0, 0))).reshape(n_chunks, chunk, heads)
+        return jnp.cumsum(g, axis=1).reshape(seq_p, heads).T
+
+    qk_spec, per_head, g_spec, state, states = _linear_specs(seq_p, dk_p, dv_p, group, n_chunks)
+    in_specs = [qk_spec, qk_spec, per_head(dv_p), g_spec, state]
+    o_shape = jax.ShapeDtypeStruct((seq_p, heads, dv_p), f32)
+    s_shape = jax.ShapeDtypeStruct((heads, dk_p, dv_p), f32)
+
+    def forward(qp, kp, vp, gp, h0p, keep_states):
+        out_specs, out_shape = [per_head(dv_p), state], [o_shape, s_shape]
+        if keep_states:
+            out_specs.append(states)
+            out_shape.append(jax.ShapeDtypeStruct((heads, n_chunks * dk_p, dv_p), f32))
+        kernel = functools.partial(_linear_fwd_kernel, chunk=chunk, decay=decay)
+        return _linear_call(kernel, cfg, heads, in_specs, out_specs, out_shape,
+                            "probjax_chunked_linear_fwd_triton")(qp, kp, vp, gp, h0p)  # fmt: skip
+
+    def operands(q, k, v, g, h0):
+        gp = cumulative(g) if decay else jnp.zeros((heads, seq_p), f32)
+        return pad(q, dk_p), pad(k, dk_p), pad(v, dv_p), gp, pad_state(h0)
+
+    def unpad(o, h_last):
+        return o[:seq, :, :dv], h_last[:, :dk, :dv]
+
+    @jax.custom_vjp
+    def run(q, k, v, g, h0):
+        return unpad(*forward(*operands(q, k, v, g, h0), keep_states=False))
+
+    def run_fwd(q, k, v, g, h0):
+        ops = operands(q, k, v, g, h0)
+        o, h_last, saved = forward(*ops, keep_states=True)
+        return unpad(o, h_last), (ops, saved, (q, k, v, g, h0))
+
+    def run_bwd(residuals, cotangents):
+        (qp, kp, vp, gp, _), saved, primals = residuals
+        do, dh_last = cotangents
+        kernel = functools.partial(_linear_bwd_kernel, chunk=chunk, decay=decay)
+        grad_qk = jax.ShapeDtypeStruct((seq_p, heads, dk_p), f32)
+        dq, dk_, dv_, dg, dh0 = _linear_call(
+            kernel, cfg, heads,
+            [qk_spec, qk_spec, per_head(dv_p), g_spec, states, per_head(dv_p), state],
+            [per_head(dk_p), per_head(dk_p), per_head(dv_p), g_spec, state],
+            [grad_qk, grad_qk, o_shape, jax.ShapeDtypeStruct((heads, seq_p), f32), s_shape],
+            "probjax_chunked_linear_bwd_triton",
+        )(qp, kp, vp, gp, saved, pad(do, dv_p), pad_state(dh_last))  # fmt: skip
+        # Heads that share q/k add their shares; the cumsum's cotangent is a reverse cumsum.
+        fold = lambda t: t[:seq, :, :dk].reshape(seq, kv_heads, group, dk).sum(2)  # noqa: E731
+        grads = [fold(dq), fold(dk_), dv_[:seq, :, :dv]]
+        if decay:
+            dg = dg.T.reshape(n_chunks, chunk, heads)
+            dg = jnp.flip(jnp.cumsum(jnp.flip(dg, 1), axis=1), 1).reshape(seq_p, heads)[:seq]
+        grads += [dg if decay else None, dh0[:, :dk, :dv]]
+        q, k, v, g, h0 = primals
+        out = [None if t is None else t.astype(p.dtype) for t, p in zip(grads, primals)]
+        return tuple(out)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(q, k, v, log_decay, h0)

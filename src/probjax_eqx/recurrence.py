@@ -1,0 +1,87 @@
+"""Backends of the linear recurrences: Mamba's selective scan, Mamba-2's SSD, RLA's linear branch.
+
+Each op has pure-JAX implementations (`"scan"`, the sequential reference; `"associative"`
+or `"chunked"`) and our Pallas Triton kernel (`"triton"`, `kernels/triton/ssm.py`), the
+default wherever it runs (a GPU, or the CPU with `config=...(interpret=True)`).
+Modules resolve the backend once, at construction.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
+from probjax_eqx.kernels import _flash
+from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
+
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrenceCall:
+    """Static description of one recurrence call (unbatched)."""
+
+    seq: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaRecurrence:
+    """A pure-JAX implementation (`lax.scan`, `lax.associative_scan` or chunked einsums)."""
+
+    name: str
+
+    def check(self, call: RecurrenceCall, device: DeviceInfo, config=None) -> str | None:
+        if config is not None:
+            raise TypeError(f"implementation={self.name!r} takes no config, got {config!r}")
+        return None if call.dtype in _FLOATS else f"dtype {call.dtype} not supported"
+
+    def default_config(self, call, device):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonRecurrence:
+    """Our Pallas Triton kernel of the op, configured by `config_type`."""
+
+    config_type: type
+    name: str = "triton"
+
+    def check(self, call: RecurrenceCall, device: DeviceInfo, config=None) -> str | None:
+        if call.dtype not in _FLOATS:
+            return f"dtype {call.dtype} not supported (supports {sorted(_FLOATS)})"
+        return _flash.check_pallas(
+            "triton", self.config_type, config, device, "Pallas Triton needs a GPU"
+        )
+
+    def default_config(self, call, device):
+        return self.config_type(interpret=not device.is_gpu)
+
+
+_TABLES = {
+    "selective_scan": {
+        "scan": XlaRecurrence("scan"),
+        "associative": XlaRecurrence("associative"),
+        "triton": TritonRecurrence(SelectiveScanConfig),
+    },
+    "ssd": {
+        "scan": XlaRecurrence("scan"),
+        "chunked": XlaRecurrence("chunked"),
+        "triton": TritonRecurrence(ChunkedLinearConfig),
+    },
+    "linear_attention": {
+        "scan": XlaRecurrence("scan"),
+        "chunked": XlaRecurrence("chunked"),
+        "triton": TritonRecurrence(ChunkedLinearConfig),
+    },
+}
+for _op, _table in _TABLES.items():
+    register_op(_op, lambda table=_table: table)
+
+
+def select(op: str, seq: int, dtype, implementation: str | Backend | None, config) -> Choice:
+    """The `Choice` of `op` for a call of `seq` steps in `dtype`."""
+    backend = implementation if isinstance(implementation, Backend) else resolve(op, implementation)
+    if backend.op != op:
+        raise ValueError(f"a {backend.op!r} backend cannot run {op!r}")
+    return backend.select(RecurrenceCall(seq, jnp.dtype(dtype).name), config)

@@ -1,0 +1,141 @@
+"""The Triton recurrence kernels (interpret mode) against the sequential `lax.scan` references.
+
+Forward and every gradient, lengths off the chunk, channel and state counts off the
+tiles, an initial state, float32 and bfloat16; the modules on the kernels.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+from _tolerance import assert_close
+from probjax_eqx import RLA, Mamba, Mamba2, UnsupportedError, resolve, selective_scan
+from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
+from probjax_eqx.mamba import ssd
+from probjax_eqx.rla import linear_outside_window
+
+SCAN_CFG = SelectiveScanConfig(block_d=16, interpret=True)
+CHUNK_CFG = ChunkedLinearConfig(chunk=16, interpret=True)
+H200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+
+
+def _grads_agree(f_kernel, f_ref, args, cotangents, dtype):
+    """Outputs and the gradients of every argument agree (float32 reference)."""
+    up = [a.astype(jnp.float32) for a in args]
+    got, want = f_kernel(*args), f_ref(*up)
+    for a, b in zip(got, want):
+        assert_close(a, b, dtype)
+
+    def loss(f):
+        return lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(f(*a), cotangents))
+
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.grad(loss(f_kernel), argnums))(*args)
+    want = jax.grad(loss(f_ref), argnums)(*up)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == args[i].dtype
+        assert_close(a, b, dtype, grad=True, err_msg=f"gradient of argument {i}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seq, d, n", [(37, 40, 12), (1, 16, 16)])
+def test_selective_scan_kernel(getkey, dtype, seq, d, n):
+    x = jax.random.normal(getkey(), (seq, d))
+    dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, d)) - 1.0)
+    a = -jnp.exp(jax.random.normal(getkey(), (d, n)))
+    b, c = (jax.random.normal(getkey(), (seq, n)) / n**0.5 for _ in range(2))
+    d_skip, h0 = jax.random.normal(getkey(), (d,)), jax.random.normal(getkey(), (d, n)) / 4
+    args = tuple(t.astype(dtype) for t in (x, dt, a, b, c, d_skip, h0))
+
+    def run(impl, config=None):
+        def f(x, dt, a, b, c, d_skip, h0):
+            return selective_scan(x, dt, a, b, c, d_skip, h0=h0, implementation=impl, config=config)
+
+        return f
+
+    cts = (jax.random.normal(getkey(), (seq, d)) / 4, jax.random.normal(getkey(), (d, n)) / 4)
+    _grads_agree(run("triton", SCAN_CFG), run("scan"), args, cts, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seq", [37, 16])
+def test_ssd_kernel(getkey, dtype, seq):
+    heads, p, n = 3, 8, 12
+    x = jax.random.normal(getkey(), (seq, heads, p))
+    dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, heads)) - 1.0)
+    a = -jnp.exp(jax.random.normal(getkey(), (heads,)))
+    b, c = (jax.random.normal(getkey(), (seq, n)) / n**0.5 for _ in range(2))
+    d_skip, h0 = jax.random.normal(getkey(), (heads,)), jax.random.normal(getkey(), (heads, p, n))
+    args = tuple(t.astype(dtype) for t in (x, dt, a, b, c, d_skip, h0 / 4))
+
+    def run(impl, config=None):
+        def f(x, dt, a, b, c, d_skip, h0):
+            return ssd(x, dt, a, b, c, d_skip, h0=h0, implementation=impl, config=config)
+
+        return f
+
+    cts = (jax.random.normal(getkey(), (seq, heads, p)) / 4,
+           jax.random.normal(getkey(), (heads, p, n)) / 4)  # fmt: skip
+    _grads_agree(run("triton", CHUNK_CFG), run("scan"), args, cts, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 40])  # 40 > seq: the branch is all zeros
+def test_linear_branch_kernel(getkey, dtype, window):
+    seq, heads, dk = 37, 2, 8
+    q, k, v = (jax.random.normal(getkey(), (seq, heads, dk)).astype(dtype) for _ in range(3))
+
+    def run(impl, config=None):
+        def f(q, k, v):
+            out = linear_outside_window(
+                q, k, v, window=window, chunk=8, implementation=impl, config=config
+            )
+            return (out / seq,)  # O(1): the branch sums up to `seq` values
+
+        return f
+
+    cts = (jax.random.normal(getkey(), (seq, heads, dk)),)
+    _grads_agree(run("triton", CHUNK_CFG), run("scan"), (q, k, v), cts, dtype)
+
+
+def test_modules_on_the_kernels_decode_and_vmap(getkey):
+    key = getkey()
+    x = jax.random.normal(getkey(), (2, 21, 16))
+    pairs = [
+        (Mamba(16, d_state=4, implementation="triton", config=SCAN_CFG, key=key),
+         Mamba(16, d_state=4, implementation="scan", key=key)),
+        (Mamba2(16, d_state=8, head_dim=8, implementation="triton", config=CHUNK_CFG, key=key),
+         Mamba2(16, d_state=8, head_dim=8, implementation="scan", key=key)),
+        (RLA(16, 2, window=5, implementation="triton", linear_config=CHUNK_CFG, key=key),
+         RLA(16, 2, window=5, implementation="scan", key=key)),
+    ]  # fmt: skip
+    batched = lambda m, x: jax.vmap(lambda row: m(row))(x)  # noqa: E731
+    for fast, ref in pairs:
+        assert fast.explain(x[0]).kernel == "triton"
+        out = eqx.filter_jit(batched)(fast, x)
+        assert_close(out, batched(ref, x), jnp.float32)
+        grads = eqx.filter_grad(lambda m: jnp.sum(batched(m, x) ** 2))
+        for a, b in zip(jax.tree.leaves(grads(fast)), jax.tree.leaves(grads(ref))):
+            assert_close(a / 10, b / 10, jnp.float32, grad=True)  # sums of squares: O(10)
+        cache, rows = fast.init_cache(), []
+        for t in range(x.shape[1]):
+            y, cache = fast.decode_step(x[0, t], cache)
+            rows.append(y)
+        assert_close(jnp.stack(rows), out[0], jnp.float32)
+
+
+def test_recurrence_dispatch():
+    for op, fallback in [("selective_scan", "scan"), ("ssd", "chunked"),
+                         ("linear_attention", "chunked")]:  # fmt: skip
+        assert resolve(op, device=H200).priority == ("triton", fallback)
+    m = Mamba(16, key=jax.random.key(0))
+    if jax.devices()[0].platform == "cpu":
+        choice = m.explain(jnp.zeros((8, 16)))
+        assert choice.kernel == "scan"
+        assert "needs a GPU" in dict(choice.rejected)["triton"]
+        with pytest.raises(UnsupportedError, match="interpret=True"):
+            Mamba(16, implementation="triton", key=jax.random.key(0))(jnp.zeros((8, 16)))
+    with pytest.raises(ValueError, match="one of"):
+        Mamba(16, implementation="chunked", key=jax.random.key(0))
