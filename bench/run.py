@@ -11,11 +11,18 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench import attention_suite, kv_lengths_suite, moe_suite, sequence_suite  # noqa: E402
+from bench import (  # noqa: E402
+    attention_suite,
+    decode_suite,
+    kv_lengths_suite,
+    moe_suite,
+    sequence_suite,
+)
 from bench.harness import RowWriter, device_info, versions  # noqa: E402
 
 SUITES = {
     "attention": attention_suite,
+    "decode": decode_suite,
     "kv_lengths": kv_lengths_suite,
     "moe": moe_suite,
     "sequence": sequence_suite,
@@ -48,11 +55,11 @@ def main(argv=None) -> int:
         )
         for row in tqdm(rows, desc=suite, mininterval=2.0):
             shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
-            timing = (
-                f"{row['fwd_ms']:.3f} / {row['fwd_bwd_ms']:.3f} ms"
-                if "fwd_ms" in row
-                else row["message"][:80]
-            )
+            if "fwd_ms" in row:
+                bwd = f"{row['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in row else "-"
+                timing = f"{row['fwd_ms']:.3f} / {bwd} ms"
+            else:
+                timing = row["message"][:80]
             tqdm.write(f"{row['implementation']:22s} {shape:48s} {row['status']:6s} {timing}")
     print(f"wrote {len(writer.rows)} rows to {args.out}")
     return 0

@@ -152,3 +152,18 @@ def test_cli_reports_device_and_choices():
     assert "registry entry: 'generic'" in out
     assert "attention: cudnn disabled" in out
     assert "chose 'xla'" in out
+
+
+def test_few_query_calls_route_to_split_kv_on_sm_90():
+    from probjax_eqx.attention_call import AttentionCall
+
+    backend = resolve("attention", device=H200, environ={})
+    decode = AttentionCall(2, 1, 65536, 32, 8, 128, 128, "bfloat16", (("kv_lengths",),))
+    choice = backend.select(decode)
+    assert choice.kernel == "triton" and "sm_90:few_queries" in choice.reason
+    assert choice.config.num_splits > 1 and choice.config.pack_gqa
+    train = AttentionCall(4, 4096, 4096, 8, 8, 128, 128, "bfloat16")
+    assert backend.select(train).kernel == "cudnn"
+    # The generic entry has no regime: triton leads there anyway.
+    generic = resolve("attention", device=H200, environ={"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"})
+    assert generic.regimes == () and generic.select(decode).kernel == "triton"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import numpy_attention
+from _tolerance import assert_close
 from probjax_eqx import Attention, UnsupportedError, masks
 from probjax_eqx.attention import rope
 
@@ -110,3 +111,33 @@ def test_compute_dtype_and_invalid_config(getkey):
         Attention(12, 3, num_kv_heads=2, key=getkey())
     with pytest.raises(ValueError, match="even"):
         Attention(12, 4, rope_theta=1e4, key=getkey())
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_kv_cache_decoding_equals_the_causal_forward(getkey, impl):
+    from probjax_eqx import KVCache
+    from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+    # On the CPU the Triton kernels run in interpret mode, here split-KV and GQA-packed.
+    config = None
+    if impl == "triton":
+        config = TritonAttentionConfig(block_q=16, block_k=16, num_splits=3, pack_gqa=True,
+                                       interpret=True)  # fmt: skip
+    key = getkey()
+    x = jax.random.normal(getkey(), (11, 32))
+    full = Attention(32, 4, num_kv_heads=2, rope_theta=1e4, key=key)(x, mask=masks.Causal())
+    m = Attention(32, 4, num_kv_heads=2, rope_theta=1e4, implementation=impl, config=config,
+                  key=key)  # fmt: skip
+    cache = m.init_cache(16)
+    assert isinstance(cache, KVCache)
+    if impl == "xla":
+        first, cache = m.prefill(x[:4], cache)
+        rows, start = [first], 4
+    else:  # the prompt's causal mask is no packed call: decode from the first token
+        rows, start = [], 0
+    step = eqx.filter_jit(m.decode_step)
+    for t in range(start, 11):
+        y, cache = step(x[t], cache)
+        rows.append(y[None])
+    assert int(cache.length) == 11
+    assert_close(jnp.concatenate(rows), full, jnp.float32)

@@ -18,6 +18,7 @@ from probjax_eqx import (
     flex_attention,
     masks,
 )
+from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _tiles
 from probjax_eqx.kernels.reference import attention as reference
@@ -255,3 +256,31 @@ def test_score_mod_parameter_gradients(getkey):
         q, k, v, mask=mask, score_mod=biases.ALiBi(slopes), implementation="triton", config=FUSED
     )
     assert choice.config.backward_pass_impl == "triton_split"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
+    """Few queries over long KV: every split count, ragged and zero KV lengths, GQA packed."""
+    q, k, v = make_qkv(getkey(), q_len=3, kv_len=150, q_heads=4, kv_heads=2, dtype=dtype)
+    ct = jax.random.normal(getkey(), (2, 3, 4, 16))
+    config = dataclasses.replace(CFG, num_splits=splits, pack_gqa=pack)
+    mask = masks.KVLengths(jnp.array([0, 101]))  # one batch element sees no key at all
+    out, grads = check(q, k, v, ct, mask, config=config)
+    assert not np.any(np.asarray(out[0], np.float32))
+    assert not np.any(np.asarray(grads[0][0], np.float32))
+
+
+def test_few_query_plan_splits_and_packs():
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16", (("kv_lengths",),))
+    cfg = triton_attention.default_config(decode, h200)
+    assert cfg.pack_gqa and cfg.block_q == 16
+    assert cfg.num_splits == -(-2 * 132 // 8)  # fills 2 programs per SM
+    train = AttentionCall(4, 4096, 4096, 8, 8, 128, 128, "bfloat16")
+    cfg = triton_attention.default_config(train, h200)
+    assert cfg.num_splits == 1 and not cfg.pack_gqa
+    with pytest.raises(UnsupportedError, match="pack_gqa"):
+        q, k, v = make_qkv(jax.random.key(0), q_heads=4, kv_heads=2)
+        run_triton(q, k, v, masks.Causal(), config=dataclasses.replace(CFG, pack_gqa=True))

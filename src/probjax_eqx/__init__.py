@@ -7,6 +7,7 @@ from probjax_eqx.attention import MAB as MAB
 from probjax_eqx.attention import PMA as PMA
 from probjax_eqx.attention import SAB as SAB
 from probjax_eqx.attention import Attention as Attention
+from probjax_eqx.attention import KVCache as KVCache
 from probjax_eqx.attention import dot_product_attention as dot_product_attention
 from probjax_eqx.attention import explain_attention as explain_attention
 from probjax_eqx.attention import flex_attention as flex_attention

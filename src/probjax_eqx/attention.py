@@ -24,13 +24,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
 from probjax_eqx.attention_call import AttentionCall
-from probjax_eqx.backends import Backend, Choice, register_op, resolve
+from probjax_eqx.backends import Backend, Choice, register_op, register_regime, resolve
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention
 from probjax_eqx.kernels.triton.attention import TritonAttention
-from probjax_eqx.masks import AbstractMask, DenseMask, KVLengths, MaskFn
+from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn
 
 _IMPLEMENTATIONS = {
     "xla": XlaAttention(),
@@ -39,6 +39,19 @@ _IMPLEMENTATIONS = {
     "mosaic": MosaicAttention(),
 }
 register_op("attention", lambda: _IMPLEMENTATIONS)
+
+# Few queries over long KV (decoding, cross-attention to long contexts): query tiles
+# alone leave the GPU idle, the split-KV forward does not. Provisional thresholds until
+# the decode benchmark measures the crossover (bench/results/h200_decode.json).
+FEW_QUERIES = dict(max_query_rows=128, min_kv_len=4096)
+
+
+def _few_queries(call) -> bool:
+    rows = call.q_len * call.groups
+    return rows <= FEW_QUERIES["max_query_rows"] and call.kv_len >= FEW_QUERIES["min_kv_len"]
+
+
+register_regime("attention", "few_queries", _few_queries)
 
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 
@@ -167,7 +180,7 @@ def dot_product_attention(
         >>> import jax, jax.numpy as jnp
         >>> from probjax_eqx import dot_product_attention, masks
         >>> q = k = v = jnp.ones((1, 4, 2, 8))
-        >>> dot_product_attention(q, k, v, mask=masks.Causal()).shape
+        >>> dot_product_attention(q, k, v, mask=Causal()).shape
         (1, 4, 2, 8)
     """
     return _run(q, k, v, mask, _bias_to_score_mod(bias), scale, implementation, config)
@@ -255,6 +268,19 @@ def rope(
     return out.astype(x.dtype)
 
 
+class KVCache(eqx.Module):
+    """Keys and values of the positions decoded so far: preallocated buffers and a length.
+
+    A pytree the caller carries (`Attention.init_cache`, `prefill`, `decode_step`); the
+    module keeps no state. Positions past `length` hold stale or zero entries that the
+    `KVLengths` mask hides.
+    """
+
+    keys: Float[Array, "max_len kv_heads qk_dim"]
+    values: Float[Array, "max_len kv_heads v_dim"]
+    length: Int[Array, ""]
+
+
 class Attention(eqx.Module):
     """Multi-head attention (MHA, GQA, MQA) with projections, optional RoPE and qk-norm.
 
@@ -276,6 +302,7 @@ class Attention(eqx.Module):
     rope_theta: float | None = eqx.field(static=True)
     compute_dtype: str | None = eqx.field(static=True)
     backend: Backend = eqx.field(static=True)
+    config: object = eqx.field(static=True)
 
     def __init__(
         self,
@@ -292,6 +319,7 @@ class Attention(eqx.Module):
         qk_norm: bool = False,
         compute_dtype: jnp.dtype | str | None = None,
         implementation: str | None = None,
+        config: object = None,
         dtype: jnp.dtype | None = None,
         key: PRNGKeyArray,
     ):
@@ -311,6 +339,7 @@ class Attention(eqx.Module):
             compute_dtype: dtype the attention op runs in (e.g. `"bfloat16"`); default
                 the input dtype.
             implementation: `None`/`"auto"`, `"xla"`, `"cudnn"`, `"triton"`, `"mosaic"`.
+            config: the pinned implementation's config (e.g. `TritonAttentionConfig`).
             dtype: parameter dtype.
             key: PRNG key for initialisation.
         """
@@ -340,8 +369,9 @@ class Attention(eqx.Module):
         self.rope_theta = rope_theta
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self.backend = resolve("attention", implementation)
+        self.config = config
 
-    def _qkv(self, x, context):
+    def _qkv(self, x, context, positions=None):
         context = x if context is None else context
         project = lambda lin, a: jax.vmap(lin)(a)  # noqa: E731
         q = project(self.query_proj, x).reshape(x.shape[0], self.num_heads, self.qk_head_dim)
@@ -355,8 +385,8 @@ class Attention(eqx.Module):
             q = jax.vmap(jax.vmap(self.q_norm))(q)
             k = jax.vmap(jax.vmap(self.k_norm))(k)
         if self.rope_theta is not None:
-            q = rope(q, theta=self.rope_theta)
-            k = rope(k, theta=self.rope_theta)
+            q = rope(q, positions, theta=self.rope_theta)
+            k = rope(k, positions, theta=self.rope_theta)
         if self.compute_dtype is not None:
             q, k, v = (a.astype(self.compute_dtype) for a in (q, k, v))
         return q[None], k[None], v[None]
@@ -386,7 +416,59 @@ class Attention(eqx.Module):
             `[q_seq, output_dim]`.
         """
         q, k, v = self._qkv(x, context)
-        o = _run(q, k, v, mask, score_mod, 1.0 / math.sqrt(self.qk_head_dim), self.backend, None)
+        o = _run(q, k, v, mask, score_mod, self._scale, self.backend, self.config)
+        return self._output(o, x)
+
+    def init_cache(self, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache of `max_len` positions for causal self-attention decoding."""
+        dtype = self.compute_dtype or self.query_proj.weight.dtype if dtype is None else dtype
+        return KVCache(
+            keys=jnp.zeros((max_len, self.num_kv_heads, self.qk_head_dim), dtype),
+            values=jnp.zeros((max_len, self.num_kv_heads, self.v_head_dim), dtype),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    def prefill(
+        self, x: Float[Array, "seq embed"], cache: KVCache
+    ) -> tuple[Float[Array, "seq out"], KVCache]:
+        """Causal self-attention over a prompt `x`, which starts the cache.
+
+        Writes the prompt's keys and values at positions `[0, seq)` and sets the cache's
+        length to `seq` (earlier contents are discarded). Equals `self(x, mask=Causal())`.
+        """
+        q, k, v = self._qkv(x, None)
+        o = _run(q, k, v, Causal(), None, self._scale, self.backend, self.config)
+        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, new[0].astype(buf.dtype), 0, axis=0
+        )
+        cache = KVCache(put(cache.keys, k), put(cache.values, v), jnp.int32(x.shape[0]))
+        return self._output(o, x), cache
+
+    def decode_step(
+        self, x: Float[Array, " embed"], cache: KVCache
+    ) -> tuple[Float[Array, " out"], KVCache]:
+        """One token at position `cache.length`, attending to the cache and itself.
+
+        Its key and value enter the cache first. Token by token, this equals the
+        matching rows of the causal forward. The attention call has one query over the
+        cache buffer with `KVLengths`: on a GPU it runs the split-KV kernel.
+        """
+        position = cache.length
+        q, k, v = self._qkv(x[None], None, positions=position[None])
+        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, new[0].astype(buf.dtype), position, axis=0
+        )
+        keys, values = put(cache.keys, k), put(cache.values, v)
+        mask = KVLengths((position + 1)[None])
+        o = _run(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), mask, None,
+                 self._scale, self.backend, self.config)  # fmt: skip
+        return self._output(o, x[None])[0], KVCache(keys, values, position + 1)
+
+    @property
+    def _scale(self) -> float:
+        return 1.0 / math.sqrt(self.qk_head_dim)
+
+    def _output(self, o, x):
         o = o[0].reshape(x.shape[0], self.num_heads * self.v_head_dim).astype(x.dtype)
         return jax.vmap(self.output_proj)(o)
 

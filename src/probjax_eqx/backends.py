@@ -13,7 +13,13 @@ Registry rules (in priority order, first supported wins):
 | op        | `sm_90` (H100/H200)              | `generic` (other GPUs, CPU) |
 |-----------|----------------------------------|-----------------------------|
 | attention | cudnn, mosaic, triton, xla       | triton, xla                 |
+| attention, few queries over long KV | triton (split-KV), cudnn, mosaic, xla | triton, xla |
 | grouped_matmul | mosaic, triton, xla         | triton, xla                 |
+| selective_scan | triton, scan                | triton, scan                |
+| ssd, linear_attention | triton, chunked      | triton, chunked             |
+
+A call can fall in a *regime* of its op (`REGIMES`, e.g. attention's `few_queries`):
+then the entry `"<device>:<regime>"` gives its priority list, where one exists.
 
 Environment opt-outs, read when a `Backend` is built (never at call time):
 
@@ -42,6 +48,8 @@ Implementation = Literal[
 DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "attention": {
         "sm_90": ("cudnn", "mosaic", "triton", "xla"),
+        # Few queries over long KV: our split-KV Triton forward fills the GPU (REGIMES).
+        "sm_90:few_queries": ("triton", "cudnn", "mosaic", "xla"),
         "generic": ("triton", "xla"),
     },
     "grouped_matmul": {
@@ -61,6 +69,10 @@ _OP_MODULES = {
     "ssd": "probjax_eqx.recurrence",
     "linear_attention": "probjax_eqx.recurrence",
 }
+
+# Regimes of an op's calls, in order: name -> predicate on the op's call description.
+# An op module registers them with `register_regime`.
+REGIMES: dict[str, list[tuple[str, Callable[[Any], bool]]]] = {}
 
 # Env variable -> (op, implementation it removes from auto selection).
 ENV_OPT_OUTS: Mapping[str, tuple[str, str]] = {
@@ -202,10 +214,20 @@ class Backend:
     device: DeviceInfo
     opt_outs: OptOuts = OptOuts()
     pruned: tuple[tuple[str, str], ...] = ()
+    # (regime, priority, pruned) of the regimes with their own registry entry.
+    regimes: tuple[tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]], ...] = ()
 
     @property
     def pinned(self) -> bool:
         return self.requested != "auto"
+
+    def _plan(self, call: Any) -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]]:
+        """The entry name, priority list and pruned candidates that apply to `call`."""
+        predicates = dict(REGIMES.get(self.op, ()))
+        for regime, priority, pruned in self.regimes:
+            if predicates[regime](call):
+                return f"{self._entry()}:{regime}", priority, pruned
+        return self._entry(), self.priority, self.pruned
 
     def select(self, call: Any, config: Any = None) -> Choice:
         """Pick the implementation for `call`.
@@ -221,8 +243,9 @@ class Backend:
         if config is not None and not self.pinned:
             raise ValueError("config= applies to one implementation: pass implementation= too")
         table = implementations(self.op)
-        rejected = list(self.pruned)
-        for name in self.priority:
+        entry, priority, pruned = self._plan(call)
+        rejected = list(pruned)
+        for name in priority:
             impl = table[name]
             why = impl.check(call, self.device, config)
             if why is None:
@@ -233,7 +256,7 @@ class Backend:
                 if self.pinned:
                     reason = "requested by name"
                 else:
-                    reason = f"first supported in the {self._entry()!r} priority list"
+                    reason = f"first supported in the {entry!r} priority list"
                 return Choice(name, config, reason, tuple(rejected))
             if self.pinned:
                 raise UnsupportedError(name, why)
@@ -251,6 +274,11 @@ _IMPLEMENTATION_TABLES: dict[str, Callable[[], Mapping[str, KernelImplementation
 def register_op(op: str, table: Callable[[], Mapping[str, KernelImplementation]]) -> None:
     """Register the lazily built implementation table of an op family."""
     _IMPLEMENTATION_TABLES[op] = table
+
+
+def register_regime(op: str, name: str, predicate: Callable[[Any], bool]) -> None:
+    """Register a regime of `op`'s calls (see `REGIMES`)."""
+    REGIMES.setdefault(op, []).append((name, predicate))
 
 
 def implementations(op: str) -> Mapping[str, KernelImplementation]:
@@ -292,14 +320,23 @@ def resolve(
         return Backend(op, requested, (requested,), device, opt_outs)
     entries = DEVICE_DEFAULTS[op]
     key = device.registry_key if opt_outs.device_defaults else "generic"
-    priority = entries.get(key, entries["generic"])
-    pruned = tuple(
-        (name, f"disabled by the environment ({_env_var_for(op, name)}=0)")
-        for name in priority
-        if (op, name) in opt_outs.disabled
+    implementations(op)  # the op module registers its regimes on import
+
+    def prune(priority):
+        pruned = tuple(
+            (name, f"disabled by the environment ({_env_var_for(op, name)}=0)")
+            for name in priority
+            if (op, name) in opt_outs.disabled
+        )
+        return tuple(n for n in priority if (op, n) not in opt_outs.disabled), pruned
+
+    kept, pruned = prune(entries.get(key, entries["generic"]))
+    regimes = tuple(
+        (regime, *prune(entries[f"{key}:{regime}"]))
+        for regime, _ in REGIMES.get(op, ())
+        if f"{key}:{regime}" in entries
     )
-    kept = tuple(name for name in priority if (op, name) not in opt_outs.disabled)
-    return Backend(op, "auto", kept, device, opt_outs, pruned)
+    return Backend(op, "auto", kept, device, opt_outs, pruned, regimes)
 
 
 def _env_var_for(op: str, name: str) -> str:

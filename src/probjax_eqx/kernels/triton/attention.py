@@ -59,6 +59,11 @@ class TritonAttentionConfig:
             `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds) or
             `"auto"` (`BACKWARD_RULES`). A fused request on lengths more than 4x apart
             runs split, so that no tile shrinks below 16 rows.
+        num_splits: split the keys of each query tile over this many forward programs
+            (flash-decoding); their partial outputs merge exactly by log-sum-exp. For
+            few queries over long KV, where query tiles alone leave the GPU idle.
+        pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
+            are read once per group (masks that ignore the query position only).
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
@@ -73,9 +78,13 @@ class TritonAttentionConfig:
     num_stages: int = 2
     num_stages_bwd: int = 2
     backward_pass_impl: Literal["auto", "triton_split", "triton_fused"] = "auto"
+    num_splits: int = 1
+    pack_gqa: bool = False
     interpret: bool = False
 
     def __post_init__(self):
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1")
         for field in (
             "block_q",
             "block_k",
@@ -159,6 +168,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
     block_q, block_k = fit(block_q, call.q_len), fit(block_k, call.kv_len)
     bwd = 64 if d <= 64 or itemsize == 2 else 32
+    pack, splits, block_q = _few_query_plan(call, device, block_q, block_k, fit)
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
@@ -169,9 +179,34 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         num_warps=4 if d <= 64 or fine else 8,
         num_warps_bwd=4,
         num_stages=stages,
+        num_splits=splits,
+        pack_gqa=pack,
         interpret=not device.is_gpu,
     )
     return resolve_backward(config, call, device)
+
+
+# Split-KV (flash-decoding) plan, per registry entry: split the keys of a call whose
+# programs would not fill `programs_per_sm x sms`, keeping >= `min_tiles` key tiles a split.
+SPLIT_KV_RULES = {
+    "sm_90": dict(sms=132, programs_per_sm=2, min_tiles=4),
+    "generic": dict(sms=108, programs_per_sm=2, min_tiles=4),
+}
+
+
+def _few_query_plan(call: AttentionCall, device: DeviceInfo, block_q, block_k, fit):
+    """`(pack_gqa, num_splits, block_q)` for `call`."""
+    rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+    pack = call.groups > 1 and packable(call) and call.q_len * call.groups <= 128
+    rows, heads = (call.q_len * call.groups, call.kv_heads) if pack else (call.q_len, call.q_heads)
+    block_q = fit(block_q, rows)
+    programs = call.batch * heads * -(-rows // block_q)
+    kv_tiles = -(-call.kv_len // block_k)
+    splits = 1
+    if programs < rule["sms"]:
+        wanted = -(-rule["programs_per_sm"] * rule["sms"] // programs)
+        splits = max(1, min(wanted, kv_tiles // rule["min_tiles"]))
+    return pack, splits, block_q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +221,7 @@ class _Static:
     kinds: tuple[str, ...]
     n_mask_ops: int
     param_slots: tuple[int, ...] = ()  # float per-head operands: their gradients are computed
+    split_tiles: int = 0  # key tiles per split of the forward (num_splits > 1)
 
     @property
     def ctx(self) -> MaskContext:
@@ -240,10 +276,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
     range_refs, refs = refs[:4], refs[4:]
     op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
-    i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    splits = st.config.num_splits
+    i = t // splits
     bq, bk = st.config.block_q, st.config.block_k
     q = q_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    ranges = tuple(ref[()] for ref in range_refs)
+    if splits > 1:  # this program's share of the key tiles
+        first = (t % splits) * st.split_tiles
+        ranges = tuple(jnp.clip(r, first, first + st.split_tiles) for r in ranges)
 
     def body(j, carry, masked):
         acc, m, denom = carry
@@ -267,11 +309,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
+    acc, m, denom = _flash.tile_loop(ranges, body, init)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
+    # An empty row: +inf makes the backward's p = 0; an empty split weighs 0 in the merge.
+    lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
@@ -361,8 +404,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         dparam_ref[0][...] = row
 
 
-def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int):
-    """BlockSpecs for the mask operands, for a grid (tile, head, batch)."""
+def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, splits=1):
+    """BlockSpecs for the mask operands, for a grid (tile x splits, head, batch)."""
     specs = []
     for kind in kinds:
         if kind == "batch":
@@ -370,44 +413,58 @@ def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int)
         elif kind == "head":
             specs.append(pl.BlockSpec((None,), lambda t, h, b: (h,)))
         elif kind == seq_role:  # the program's own tile
-            specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, t)))
+            specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, t // splits)))
         else:  # the looped axis: the whole row, sliced per step
             n = q_pad if kind == "q_pos" else kv_pad
             specs.append(pl.BlockSpec((None, n), lambda t, h, b: (b, 0)))
     return specs
 
 
-def _range_specs():
-    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t))] * 4
+def _range_specs(splits=1):
+    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t // splits))] * 4
 
 
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     cfg, groups = st.config, st.call.groups
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
-    grid = (st.q_pad // cfg.block_q, heads, batch)
+    n = cfg.num_splits
+    grid = (st.q_pad // cfg.block_q * n, heads, batch)
     in_specs = [
-        pl.BlockSpec((None, cfg.block_q, None, d), lambda i, h, b: (b, i, h, 0)),
-        pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
-        pl.BlockSpec((None, st.kv_pad, None, dv), lambda i, h, b: (b, 0, h // groups, 0)),
-        *_range_specs(),
+        pl.BlockSpec((None, cfg.block_q, None, d), lambda t, h, b: (b, t // n, h, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
+        *_range_specs(n),
         *_operand_specs(
             st.kinds,
             seq_role="q_pos",
             block=cfg.block_q,
             q_pad=st.q_pad,
             kv_pad=st.kv_pad,
+            splits=n,
         ),
     ]
-    out_specs = [
-        pl.BlockSpec((None, cfg.block_q, None, dv), lambda i, h, b: (b, i, h, 0)),
-        pl.BlockSpec((None, None, cfg.block_q), lambda i, h, b: (b, h, i)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
-        jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
-    ]
-    return pl.pallas_call(
+    if n == 1:
+        out_specs = [
+            pl.BlockSpec((None, cfg.block_q, None, dv), lambda t, h, b: (b, t, h, 0)),
+            pl.BlockSpec((None, None, cfg.block_q), lambda t, h, b: (b, h, t)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
+        ]
+    else:  # float32 partials per split, merged below
+        out_specs = [
+            pl.BlockSpec(
+                (None, None, cfg.block_q, None, dv), lambda t, h, b: (t % n, b, t // n, h, 0)
+            ),
+            pl.BlockSpec((None, None, None, cfg.block_q), lambda t, h, b: (t % n, b, h, t // n)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((n, batch, st.q_pad, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((n, batch, heads, st.q_pad), jnp.float32),
+        ]
+    outs = pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, build=build),
         grid=grid,
         in_specs=in_specs,
@@ -415,8 +472,25 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
-        name="probjax_attention_triton_fwd",
+        name="probjax_attention_triton_fwd" if n == 1 else "probjax_attention_triton_fwd_split",
     )(q, k, v, *fwd_ranges, *operands)
+    return outs if n == 1 else merge_splits(*outs, q.dtype)
+
+
+def merge_splits(o, lse, dtype):
+    """Exact merge of per-split partials by their log-sum-exp.
+
+    `o` is `[splits, b, q, h, dv]`, each split normalised over its keys; `lse` is base 2,
+    `[splits, b, h, q]`, -inf where a split saw no key.
+    """
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp2(lse - top)  # [splits, b, h, q]; 0 for empty splits
+    total = jnp.sum(weights, axis=0)
+    safe = jnp.where(total == 0.0, 1.0, total)
+    share = jnp.swapaxes(weights / safe, 2, 3)[..., None]  # [splits, b, q, h, 1]
+    merged = jnp.sum(share * o, axis=0).astype(dtype)
+    return merged, jnp.where(total == 0.0, jnp.inf, top + jnp.log2(safe))
 
 
 def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
@@ -509,6 +583,10 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring)."""
     call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
     cfg = config
+    if cfg.pack_gqa and call.groups > 1:
+        if not packable(call):
+            raise UnsupportedError("triton", "pack_gqa needs a mask that ignores query positions")
+        return _packed_gqa(q, k, v, mask=mask, scale=scale, config=cfg)
     q_pad = _round_up(call.q_len, max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
     kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
     mask_ops, mask_kinds, rebuild_mask = _tiles.split(
@@ -527,7 +605,8 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
         raise UnsupportedError("triton", f"at most {_PARAM_LANES} score-mod parameter arrays")
     if param_slots and cfg.backward_pass_impl != "triton_split":
         raise ValueError("score-mod parameter gradients need backward_pass_impl='triton_split'")
-    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots)
+    split_tiles = -(-(kv_pad // cfg.block_k) // cfg.num_splits)
+    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots, split_tiles)
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = _flash.tile_ranges(
@@ -551,6 +630,28 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     return _flash.attend(
         forward, backward, qp, kp, vp, ranges, operands, q_len=call.q_len, v_dim=call.v_dim
     )
+
+
+def packable(call: AttentionCall) -> bool:
+    """Whether the query heads of a group can run as rows of one tile.
+
+    Nothing may depend on the query position or head: no score mod, masks on key lengths.
+    """
+    return call.score_mod is None and all(t[0] == "kv_lengths" for t in call.mask_terms)
+
+
+def _packed_gqa(q, k, v, *, mask, scale, config):
+    """Attention with the `groups` query heads of each KV head as extra query rows."""
+    batch, q_len, heads, d = q.shape
+    kv_heads, dv = k.shape[2], v.shape[3]
+    groups = heads // kv_heads
+    rows = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 1, 3, 2, 4)
+    o = flash_attention(
+        rows.reshape(batch, q_len * groups, kv_heads, d), k, v, mask=mask, score_mod=None,
+        scale=scale, config=dataclasses.replace(config, pack_gqa=False),
+    )  # fmt: skip
+    o = o.reshape(batch, q_len, groups, kv_heads, dv).transpose(0, 1, 3, 2, 4)
+    return o.reshape(batch, q_len, heads, dv)
 
 
 _PARAMETRIC = frozenset({"alibi", "head_scale"})
