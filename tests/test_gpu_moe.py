@@ -26,7 +26,9 @@ def test_grouped_matmul_matches_ragged_dot(getkey, impl):
     got = jax.jit(jax.grad(loss(f), (0, 1)))(lhs, rhs)
     want = jax.grad(loss(ref), (0, 1))(up(lhs), up(rhs))
     for a, b in zip(got, want):
-        assert_close(a, b, jnp.bfloat16, grad=True)
+        # dRHS sums ~2000 rows: O(1) after dividing by its scale, as the tolerances assume.
+        scale = float(jnp.max(jnp.abs(b)))
+        assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
 
 
 @pytest.mark.parametrize("dispatch", ["triton", "mosaic", "fused_gsum"])

@@ -242,7 +242,7 @@ def ssd(
     f32 = jnp.float32
     seq, heads, p = x.shape
     n = b.shape[1]
-    choice = recurrence.select("ssd", seq, x.dtype, implementation, config)
+    choice = recurrence.select("ssd", seq, x.dtype, implementation, config, features=n + p)
     h0 = jnp.zeros((heads, p, n), f32) if h0 is None else h0.astype(f32)
     skip = d_skip.astype(f32)[None, :, None] * x.astype(f32)
     if choice.kernel == "triton":
@@ -376,7 +376,8 @@ class Mamba2(eqx.Module):
 
     def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
         """The SSD's `Choice` for `x` `[seq, d_model]`."""
-        return recurrence.select("ssd", x.shape[0], x.dtype, self.backend, self.config)
+        features = self.d_state + self.head_dim
+        return recurrence.select("ssd", x.shape[0], x.dtype, self.backend, self.config, features)
 
     def init_cache(self, dtype=None) -> Mamba2Cache:
         dtype = self.in_proj.dtype if dtype is None else dtype

@@ -23,6 +23,7 @@ class RecurrenceCall:
 
     seq: int
     dtype: str
+    features: int = 0  # state width per step (dk + dv of chunked linear attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,10 @@ class TritonRecurrence:
         )
 
     def default_config(self, call, device):
+        if self.config_type is ChunkedLinearConfig and call.features > 256:
+            # Wide states (RLA's 2 x 128 features + 128 values): 64-step chunks asked the
+            # H200 for 327,680 bytes of shared memory (bench/results/h200.json, run 6).
+            return ChunkedLinearConfig(chunk=32, num_stages=1, interpret=not device.is_gpu)
         return self.config_type(interpret=not device.is_gpu)
 
 
@@ -79,9 +84,11 @@ for _op, _table in _TABLES.items():
     register_op(_op, lambda table=_table: table)
 
 
-def select(op: str, seq: int, dtype, implementation: str | Backend | None, config) -> Choice:
-    """The `Choice` of `op` for a call of `seq` steps in `dtype`."""
+def select(
+    op: str, seq: int, dtype, implementation: str | Backend | None, config, features: int = 0
+) -> Choice:
+    """The `Choice` of `op` for a call of `seq` steps in `dtype` (`features` per step)."""
     backend = implementation if isinstance(implementation, Backend) else resolve(op, implementation)
     if backend.op != op:
         raise ValueError(f"a {backend.op!r} backend cannot run {op!r}")
-    return backend.select(RecurrenceCall(seq, jnp.dtype(dtype).name), config)
+    return backend.select(RecurrenceCall(seq, jnp.dtype(dtype).name, features), config)

@@ -54,7 +54,10 @@ def linear_outside_window(
     `ChunkedLinearConfig`, whose `chunk` it uses) or a resolved `Backend`.
     """
     seq, heads, _ = q.shape
-    choice = recurrence.select("linear_attention", seq, q.dtype, implementation, config)
+    features = 2 * q.shape[2] + v.shape[2]
+    choice = recurrence.select(
+        "linear_attention", seq, q.dtype, implementation, config, features=features
+    )
     implementation = choice.kernel
     fq = feature_map(q)
     # Keys delayed by `window` make the branch causal linear attention; the first
@@ -192,9 +195,11 @@ class RLA(eqx.Module):
 
     def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
         """The linear branch's `Choice` for `x` `[seq, d_model]`."""
+        features = 3 * self.norm_window.shape[0]  # 2 x head_dim features, head_dim values
         return recurrence.select(
-            "linear_attention", x.shape[0], x.dtype, self.linear_backend, self.linear_config
-        )
+            "linear_attention", x.shape[0], x.dtype, self.linear_backend, self.linear_config,
+            features,
+        )  # fmt: skip
 
     def init_cache(self, dtype=None) -> RLACache:
         dtype = self.w_q.dtype if dtype is None else dtype

@@ -86,6 +86,11 @@ def _params(cfg):
     return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+# float32 operands multiply exactly (no TF32): sums over thousands of steps would carry
+# TF32's 1e-3 error; 16-bit operands are unaffected.
+_dot = functools.partial(plt.dot, allow_tf32=False)
+
+
 # --- selective scan ---------------------------------------------------------------------
 # Layout in the kernels: the state is [N, block_d] (states down, channels across), so a
 # step's x/dt rows are [1, block_d] loads and its B/C columns [N, 1] loads of B^T/C^T.
@@ -264,13 +269,13 @@ def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *state
         if states:
             states[0][pl.ds(c * dk, dk), :] = state
         dtype = v.dtype
-        scores = plt.dot(q, k, trans_b=True) * pair
-        o = plt.dot(scores.astype(dtype), v)
+        scores = _dot(q, k, trans_b=True) * pair
+        o = _dot(scores.astype(dtype), v)
         q_in = q.astype(f32) if g is None else q.astype(f32) * jnp.exp(g)[:, None]
-        o = o + plt.dot(q_in.astype(dtype), state.astype(dtype))
+        o = o + _dot(q_in.astype(dtype), state.astype(dtype))
         o_ref[pl.ds(c * chunk, chunk), :] = o.astype(o_ref.dtype)
         k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
-        update = plt.dot(k_in.astype(dtype), v, trans_a=True)
+        update = _dot(k_in.astype(dtype), v, trans_a=True)
         return (state if g is None else jnp.exp(g_last) * state) + update
 
     ht_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // chunk, body, h0_ref[...].astype(f32))
@@ -292,26 +297,26 @@ def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
         state = states_ref[pl.ds(c * dk_dim, dk_dim), :]  # at the chunk start
         dtype = v.dtype
         lo = lambda t: t.astype(dtype)  # noqa: E731
-        scores = plt.dot(q, k, trans_b=True) * pair
-        dscores = plt.dot(do, v, trans_b=True) * pair
+        scores = _dot(q, k, trans_b=True) * pair
+        dscores = _dot(do, v, trans_b=True) * pair
         e_g = None if g is None else jnp.exp(g)[:, None]
-        dq = plt.dot(lo(do), lo(state), trans_b=True)
-        dq = (dq if e_g is None else dq * e_g) + plt.dot(lo(dscores), k)
-        dk = plt.dot(v, lo(ds), trans_b=True)
-        dk = (dk if g is None else dk * to_end[:, None]) + plt.dot(lo(dscores), q, trans_a=True)
+        dq = _dot(lo(do), lo(state), trans_b=True)
+        dq = (dq if e_g is None else dq * e_g) + _dot(lo(dscores), k)
+        dk = _dot(v, lo(ds), trans_b=True)
+        dk = (dk if g is None else dk * to_end[:, None]) + _dot(lo(dscores), q, trans_a=True)
         k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
-        dv = plt.dot(lo(k_in), lo(ds)) + plt.dot(lo(scores), do, trans_a=True)
+        dv = _dot(lo(k_in), lo(ds)) + _dot(lo(scores), do, trans_a=True)
         dq_ref[rows, :] = dq
         dk_ref[rows, :] = dk
         dv_ref[rows, :] = dv
         q_in = q.astype(f32) if e_g is None else q.astype(f32) * e_g
         if decay:
-            after = jnp.exp(g_last) * state + plt.dot(lo(k_in), v, trans_a=True)
+            after = jnp.exp(g_last) * state + _dot(lo(k_in), v, trans_a=True)
             idx = jnp.arange(chunk, dtype=jnp.int32)
             dg = jnp.sum(q.astype(f32) * dq, axis=1) - jnp.sum(k.astype(f32) * dk, axis=1)
             dg_ref[rows] = dg + jnp.where(idx == chunk - 1, jnp.sum(ds * after), 0.0)
             ds = jnp.exp(g_last) * ds
-        return ds + plt.dot(lo(q_in), do, trans_a=True)
+        return ds + _dot(lo(q_in), do, trans_a=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
 
