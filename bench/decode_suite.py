@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, time_fn
+from bench.harness import classify, time_fn, torch_attention
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -56,14 +56,10 @@ def _jax_impls():
 
 
 def _torch_impls():
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
+    found = torch_attention()
+    if found is None:
         return {}
-    if not torch.cuda.is_available():
-        return {}
+    torch, SDPBackend, sdpa_kernel, create_block_mask, flex_attention = found
 
     def sdpa(backend):
         def f(q, k, v, lengths):

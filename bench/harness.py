@@ -117,3 +117,17 @@ class RowWriter:
         self.rows.append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"rows": self.rows}, indent=1))
+
+
+def torch_attention():
+    """`(torch, SDPBackend, sdpa_kernel, create_block_mask, flex_attention)` when torch
+    with CUDA is importable, else `None`: the torch attention peers run only then."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch, SDPBackend, sdpa_kernel, create_block_mask, flex_attention

@@ -147,14 +147,14 @@ def _scan_bwd_kernel(*refs, n_state: int):
     dat_ref[...] = da
 
 
-def _scan_specs(seq, n, bd, *, blocks: int):
+def _scan_specs(seq, n, bd):
     rows = pl.BlockSpec((seq, bd), lambda j: (0, j))
     state = pl.BlockSpec((n, bd), lambda j: (0, j))
     cols = pl.BlockSpec((n, seq), lambda j: (0, 0))
     return rows, state, cols
 
 
-def _scan_call(kernel, cfg, d, grid, in_specs, out_specs, out_shape, name):
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, name):
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -171,14 +171,14 @@ def _scan_forward(x, dt, a_t, b_t, c_t, h0_t, cfg, *, keep_states: bool):
     seq, d = x.shape
     n, bd = a_t.shape[0], cfg.block_d
     blocks = d // bd
-    rows, state, cols = _scan_specs(seq, n, bd, blocks=blocks)
+    rows, state, cols = _scan_specs(seq, n, bd)
     out_specs = [rows, state]
     out_shape = [jax.ShapeDtypeStruct((seq, d), f32), jax.ShapeDtypeStruct((n, d), f32)]
     if keep_states:
         out_specs.append(pl.BlockSpec((seq * n, bd), lambda j: (0, j)))
         out_shape.append(jax.ShapeDtypeStruct((seq * n, d), f32))
-    outs = _scan_call(
-        functools.partial(_scan_fwd_kernel, n_state=n), cfg, d, (blocks,),
+    outs = _call(
+        functools.partial(_scan_fwd_kernel, n_state=n), cfg, (blocks,),
         [rows, rows, state, cols, cols, state], out_specs, out_shape,
         "probjax_selective_scan_fwd_triton",
     )(x, dt, a_t, b_t, c_t, h0_t)  # fmt: skip
@@ -189,10 +189,10 @@ def _scan_backward(x, dt, a_t, b_t, c_t, h0_t, states, dy, dht, cfg):
     seq, d = x.shape
     n, bd = a_t.shape[0], cfg.block_d
     blocks = d // bd
-    rows, state, cols = _scan_specs(seq, n, bd, blocks=blocks)
+    rows, state, cols = _scan_specs(seq, n, bd)
     partial = pl.BlockSpec((None, n, seq), lambda j: (j, 0, 0))  # per program: summed after
-    dx, ddt, da_t, db_t, dc_t, dh0_t = _scan_call(
-        functools.partial(_scan_bwd_kernel, n_state=n), cfg, d, (blocks,),
+    dx, ddt, da_t, db_t, dc_t, dh0_t = _call(
+        functools.partial(_scan_bwd_kernel, n_state=n), cfg, (blocks,),
         [rows, rows, state, cols, cols, state, pl.BlockSpec((seq * n, bd), lambda j: (0, j)),
          rows, state],
         [rows, rows, state, partial, partial, state],
@@ -330,19 +330,6 @@ def _linear_specs(seq, dk, dv, group, n_chunks):
     return qk, per_head, g, state, states
 
 
-def _linear_call(kernel, cfg, heads, in_specs, out_specs, out_shape, name):
-    return pl.pallas_call(
-        kernel,
-        grid=(heads,),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(cfg),
-        interpret=cfg.interpret,
-        name=name,
-    )
-
-
 def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearConfig):
     """`(o, h_last)`: `o_t = q_t^T S_t`, `S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T`.
 
@@ -382,7 +369,7 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
             out_specs.append(states)
             out_shape.append(jax.ShapeDtypeStruct((heads, n_chunks * dk_p, dv_p), f32))
         kernel = functools.partial(_linear_fwd_kernel, chunk=chunk, decay=decay)
-        return _linear_call(kernel, cfg, heads, in_specs, out_specs, out_shape,
+        return _call(kernel, cfg, (heads,), in_specs, out_specs, out_shape,
                             "probjax_chunked_linear_fwd_triton")(qp, kp, vp, gp, h0p)  # fmt: skip
 
     def operands(q, k, v, g, h0):
@@ -406,8 +393,8 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
         do, dh_last = cotangents
         kernel = functools.partial(_linear_bwd_kernel, chunk=chunk, decay=decay)
         grad_qk = jax.ShapeDtypeStruct((seq_p, heads, dk_p), f32)
-        dq, dk_, dv_, dg, dh0 = _linear_call(
-            kernel, cfg, heads,
+        dq, dk_, dv_, dg, dh0 = _call(
+            kernel, cfg, (heads,),
             [qk_spec, qk_spec, per_head(dv_p), g_spec, states, per_head(dv_p), state],
             [per_head(dk_p), per_head(dk_p), per_head(dv_p), g_spec, state],
             [grad_qk, grad_qk, o_shape, jax.ShapeDtypeStruct((heads, seq_p), f32), s_shape],
