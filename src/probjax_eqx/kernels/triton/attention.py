@@ -474,7 +474,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         interpret=cfg.interpret,
         name="probjax_attention_triton_fwd" if n == 1 else "probjax_attention_triton_fwd_split",
     )(q, k, v, *fwd_ranges, *operands)
-    return outs if n == 1 else merge_splits(*outs, q.dtype)
+    return outs if n == 1 else merge_splits(outs[0], outs[1], q.dtype)
 
 
 def merge_splits(o, lse, dtype):

@@ -23,6 +23,7 @@ Both are unbatched (`jax.vmap` adds a grid axis), compute in float32 and have on
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +186,8 @@ def _scan_forward(x, dt, a_t, b_t, c_t, h0_t, cfg, *, keep_states: bool):
     return outs
 
 
-def _scan_backward(x, dt, a_t, b_t, c_t, h0_t, states, dy, dht, cfg):
+def _scan_backward(ops, states, dy, dht, cfg):
+    x, dt, a_t, b_t, c_t, h0_t = ops
     seq, d = x.shape
     n, bd = a_t.shape[0], cfg.block_d
     blocks = d // bd
@@ -233,7 +235,7 @@ def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
         ops, states, primals = residuals
         dy, dh_last = cotangents
         dx, ddt, da_t, db_t, dc_t, dh0_t = _scan_backward(
-            *ops, states, pad_d(dy.astype(f32)), state_t(dh_last), cfg
+            ops, states, pad_d(dy.astype(f32)), state_t(dh_last), cfg
         )
         grads = (dx[:, :d], ddt[:, :d], da_t[:n, :d].T, db_t[:n].T, dc_t[:n].T, dh0_t[:n, :d].T)
         return tuple(g.astype(p.dtype) for g, p in zip(grads, primals))
@@ -245,17 +247,36 @@ def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
 # --- chunked linear attention -------------------------------------------------------------
 
 
+class _Decay(NamedTuple):
+    """A chunk's decay factors, all <= 1.
+
+    From the chunk start to each step (inclusive), from each step to the chunk end, and
+    over the whole chunk.
+    """
+
+    from_start: jax.Array  # [chunk, 1]
+    to_end: jax.Array  # [chunk, 1]
+    whole: jax.Array  # scalar
+
+
+def _scaled(x, factor):
+    x = x.astype(f32)
+    return x if factor is None else x * factor
+
+
 def _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay):
+    """A chunk's q, k, v, its causal decay-weighted pair matrix, and its `_Decay`."""
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
     idx = jnp.arange(chunk, dtype=jnp.int32)
     causal = idx[:, None] >= idx[None, :]
     if not decay:
-        return q, k, v, None, causal.astype(f32), None, None
+        return q, k, v, causal.astype(f32), None
     g = g_ref[rows]  # chunk-local cumulative log decay, non-increasing, <= 0
     g_last = jnp.sum(jnp.where(idx == chunk - 1, g, 0.0))
     pair = jnp.exp(jnp.where(causal, g[:, None] - g[None, :], -jnp.inf))
-    return q, k, v, g, pair, g_last, jnp.exp(g_last - g)
+    factors = _Decay(jnp.exp(g)[:, None], jnp.exp(g_last - g)[:, None], jnp.exp(g_last))
+    return q, k, v, pair, factors
 
 
 def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *states,
@@ -263,20 +284,18 @@ def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *state
     dk = q_ref.shape[1]
 
     def body(c, state):
-        q, k, v, g, pair, g_last, to_end = _chunk_operands(
-            q_ref, k_ref, v_ref, g_ref, c, chunk, decay
-        )
+        q, k, v, pair, dec = _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay)
         if states:
             states[0][pl.ds(c * dk, dk), :] = state
         dtype = v.dtype
         scores = _dot(q, k, trans_b=True) * pair
         o = _dot(scores.astype(dtype), v)
-        q_in = q.astype(f32) if g is None else q.astype(f32) * jnp.exp(g)[:, None]
+        q_in = _scaled(q, None if dec is None else dec.from_start)
         o = o + _dot(q_in.astype(dtype), state.astype(dtype))
         o_ref[pl.ds(c * chunk, chunk), :] = o.astype(o_ref.dtype)
-        k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
+        k_in = _scaled(k, None if dec is None else dec.to_end)
         update = _dot(k_in.astype(dtype), v, trans_a=True)
-        return (state if g is None else jnp.exp(g_last) * state) + update
+        return (state if dec is None else dec.whole * state) + update
 
     ht_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // chunk, body, h0_ref[...].astype(f32))
 
@@ -289,33 +308,30 @@ def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
 
     def body(i, ds):
         c = n_chunks - 1 - i
-        q, k, v, g, pair, g_last, to_end = _chunk_operands(
-            q_ref, k_ref, v_ref, g_ref, c, chunk, decay
-        )
+        q, k, v, pair, dec = _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay)
         rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         do = do_ref[rows, :]
         state = states_ref[pl.ds(c * dk_dim, dk_dim), :]  # at the chunk start
         dtype = v.dtype
         lo = lambda t: t.astype(dtype)  # noqa: E731
+        from_start = None if dec is None else dec.from_start
+        to_end = None if dec is None else dec.to_end
         scores = _dot(q, k, trans_b=True) * pair
         dscores = _dot(do, v, trans_b=True) * pair
-        e_g = None if g is None else jnp.exp(g)[:, None]
-        dq = _dot(lo(do), lo(state), trans_b=True)
-        dq = (dq if e_g is None else dq * e_g) + _dot(lo(dscores), k)
-        dk = _dot(v, lo(ds), trans_b=True)
-        dk = (dk if g is None else dk * to_end[:, None]) + _dot(lo(dscores), q, trans_a=True)
-        k_in = k.astype(f32) if g is None else k.astype(f32) * to_end[:, None]
+        dq = _scaled(_dot(lo(do), lo(state), trans_b=True), from_start) + _dot(lo(dscores), k)
+        dk = _scaled(_dot(v, lo(ds), trans_b=True), to_end) + _dot(lo(dscores), q, trans_a=True)
+        k_in = _scaled(k, to_end)
         dv = _dot(lo(k_in), lo(ds)) + _dot(lo(scores), do, trans_a=True)
         dq_ref[rows, :] = dq
         dk_ref[rows, :] = dk
         dv_ref[rows, :] = dv
-        q_in = q.astype(f32) if e_g is None else q.astype(f32) * e_g
-        if decay:
-            after = jnp.exp(g_last) * state + _dot(lo(k_in), v, trans_a=True)
+        q_in = _scaled(q, from_start)
+        if dec is not None:
+            after = dec.whole * state + _dot(lo(k_in), v, trans_a=True)
             idx = jnp.arange(chunk, dtype=jnp.int32)
             dg = jnp.sum(q.astype(f32) * dq, axis=1) - jnp.sum(k.astype(f32) * dk, axis=1)
             dg_ref[rows] = dg + jnp.where(idx == chunk - 1, jnp.sum(ds * after), 0.0)
-            ds = jnp.exp(g_last) * ds
+            ds = dec.whole * ds
         return ds + _dot(lo(q_in), do, trans_a=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
