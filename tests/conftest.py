@@ -1,7 +1,14 @@
+import os
 import zlib
 
-import jax
-import pytest
+# Eight CPU devices for the sharding tests (read when JAX's backend starts, not on import).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

@@ -219,6 +219,26 @@ class MoEAux(eqx.Module):
     fraction_routed: Float[Array, " experts"]
 
 
+class RouterStats(eqx.Module):
+    """Router statistics as sums over tokens: shards of a batch add them (`jax.lax.psum`)."""
+
+    tokens: Float[Array, ""]
+    counts: Int[Array, " experts"]
+    prob_sum: Float[Array, " experts"]
+    z_sum: Float[Array, ""]
+
+    def aux(self, top_k: int) -> MoEAux:
+        fraction = self.counts.astype(jnp.float32) / (self.tokens * top_k)
+        mean_prob = self.prob_sum / self.tokens
+        return MoEAux(
+            load_balancing_loss=self.counts.shape[0]
+            * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob),
+            router_z_loss=self.z_sum / self.tokens,
+            tokens_per_expert=self.counts,
+            fraction_routed=fraction,
+        )
+
+
 class SwiGLU(eqx.Module):
     """`down(silu(gate(x)) * up(x))`: the dense (shared) expert."""
 
@@ -328,6 +348,14 @@ class MoE(eqx.Module):
 
     def route(self, x: Float[Array, "tokens d_model"]):
         """Top-k expert indices `[tokens, k]`, their weights, and the router statistics."""
+        experts, weights, stats = self.route_stats(x)
+        return experts, weights, stats.aux(self.top_k)
+
+    def route_stats(self, x: Float[Array, "tokens d_model"]):
+        """`route`, with the statistics as sums over tokens (`RouterStats`).
+
+        Sums add up across shards of the tokens (expert parallelism).
+        """
         logits = x.astype(jnp.float32) @ self.router.astype(jnp.float32)
         if self.router_type == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
@@ -336,17 +364,13 @@ class MoE(eqx.Module):
         weights, experts = jax.lax.top_k(scores, self.top_k)
         if self.normalize_weights:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        counts = jnp.zeros((self.num_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-        fraction = counts / experts.size
-        mean_prob = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0)
-        aux = MoEAux(
-            load_balancing_loss=self.num_experts
-            * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob),
-            router_z_loss=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            tokens_per_expert=counts,
-            fraction_routed=fraction,
+        stats = RouterStats(
+            tokens=jnp.asarray(x.shape[0], jnp.float32),
+            counts=jnp.zeros((self.num_experts,), jnp.int32).at[experts.reshape(-1)].add(1),
+            prob_sum=jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0),
+            z_sum=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
         )
-        return experts, weights, aux
+        return experts, weights, stats
 
     def _gmm(self, lhs, rhs, group_sizes):
         return grouped_matmul(

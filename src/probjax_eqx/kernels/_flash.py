@@ -2,12 +2,16 @@
 
 Padding, tile ranges, the custom VJP and the config / interpret check.
 
-A family supplies `forward(qp, kp, vp, fwd_ranges, operands) -> (o, lse)` and
-`backward(qp, kp, vp, o, lse, do, ranges, operands) -> (dq, dk, dv, doperands)` on
-padded operands; `attend` wires them into one `jax.custom_vjp` and slices the padding off.
+A family builds a `FlashKernels` for a call: its `forward` and `backward` on padded
+operands. Calling it wires them into one `jax.custom_vjp` (`attend`) and slices the
+padding off; `forward_lse` and `backward_given` expose the two halves for callers that
+merge blocks themselves (ring attention).
 """
 
+import dataclasses
 import functools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +64,67 @@ def tile_loop(ranges, body, init):
     carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), init)
     carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
     return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashKernels:
+    """One call's forward and backward kernels with the padding they need.
+
+    `forward(qp, kp, vp, fwd_ranges, operands) -> (o, lse)` and
+    `backward(qp, kp, vp, o, lse, do, ranges, operands) -> (dq, dk, dv, doperands)` take
+    padded operands; `lse` is base 2 (scores times `log2(e)`), `+inf` on rows without a
+    valid key. `ranges` and `operands` are arrays built for this call's mask.
+    """
+
+    forward: Callable
+    backward: Callable
+    ranges: dict
+    operands: tuple
+    q_pad: int
+    kv_pad: int
+    d_pad: int
+    dv_pad: int
+
+    def _pad(self, q, k, v):
+        return pad_qkv(q, k, v, q_pad=self.q_pad, kv_pad=self.kv_pad, d=self.d_pad, dv=self.dv_pad)
+
+    def __call__(self, q, k, v):
+        """The attention output, under one custom VJP whose backward is `backward`."""
+        return attend(
+            self.forward, self.backward, *self._pad(q, k, v), self.ranges, self.operands,
+            q_len=q.shape[1], v_dim=v.shape[3],
+        )  # fmt: skip
+
+    def forward_lse(self, q, k, v):
+        """The output and the natural-log log-sum-exp `[batch, heads, q_seq]` of each row.
+
+        `-inf` where no key is valid. Not differentiable: pair it with `backward_given`
+        (ring attention merges blocks by `lse`).
+        """
+        o, lse = self.forward(*self._pad(q, k, v), self.ranges["fwd"], self.operands)
+        lse = lse[:, :, : q.shape[1]]
+        lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse * LN2)
+        return o[:, : q.shape[1], :, : v.shape[3]], lse
+
+    def backward_given(self, q, k, v, o, lse, do):
+        """`(dq, dk, dv)` through this call's keys, given the rows' statistics over all keys.
+
+        `lse` (natural log) and `o` cover *every* key block: this is the flash backward of
+        one block of a larger key set, exact once the blocks' gradients are summed.
+        """
+        qp, kp, vp = self._pad(q, k, v)
+        rows = ((0, 0), (0, self.q_pad - q.shape[1]), (0, 0), (0, self.dv_pad - v.shape[3]))
+        op = jnp.pad(o.astype(q.dtype), rows)
+        dop = jnp.pad(do.astype(q.dtype), rows)
+        lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse / LN2).astype(jnp.float32)
+        tail = ((0, 0), (0, 0), (0, self.q_pad - q.shape[1]))
+        lse2 = jnp.pad(lse2, tail, constant_values=jnp.inf)
+        dq, dk, dv, _ = self.backward(qp, kp, vp, op, lse2, dop, self.ranges, self.operands)
+        d, lk = q.shape[3], k.shape[1]
+        return dq[:, : q.shape[1], :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]]
+
+
+LN2 = math.log(2.0)
 
 
 def attend(forward, backward, qp, kp, vp, ranges, operands, *, q_len: int, v_dim: int):

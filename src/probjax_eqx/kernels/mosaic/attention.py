@@ -581,6 +581,11 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
 
 def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
     """Mosaic GPU flash attention of `[batch, seq, heads, dim]` operands (module docstring)."""
+    return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
+
+
+def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
+    """The `_flash.FlashKernels` of one call."""
     if score_mod is not None:
         raise ValueError("the Mosaic kernel takes no score_mod")
     call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, None)
@@ -601,7 +606,6 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAtt
         dq=(cfg.block_q_dq, cfg.block_k_dq),
         dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
     )
-    qp, kp, vp = _flash.pad_qkv(q, k, v, q_pad=q_pad, kv_pad=kv_pad, d=d, dv=dv)
 
     def interpreted(fn):
         """After a failed interpreted kernel the interpreter's state must be reset."""
@@ -627,10 +631,7 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAtt
         )
         return (*grads, (None,) * len(operands))
 
-    operands = tuple(ops)
-    return _flash.attend(
-        forward, backward, qp, kp, vp, ranges, operands, q_len=call.q_len, v_dim=call.v_dim
-    )
+    return _flash.FlashKernels(forward, backward, ranges, tuple(ops), q_pad, kv_pad, d, dv)
 
 
 def _kernel_rule(call: AttentionCall) -> str | None:
@@ -681,3 +682,7 @@ class MosaicAttention:
 
     def __call__(self, q, k, v, *, mask, score_mod, scale, config: MosaicAttentionConfig):
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
+
+    def blocks(self, q, k, v, *, mask, scale, config: MosaicAttentionConfig):
+        """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""
+        return kernels(q, k, v, mask=mask, score_mod=None, scale=scale, config=config)

@@ -100,6 +100,52 @@ def attention(
 
 
 @dataclasses.dataclass(frozen=True)
+class XlaBlocks:
+    """Forward-with-lse and backward-given-lse halves of exact attention in plain JAX.
+
+    The interface of `_flash.FlashKernels`, for callers that merge key blocks.
+    """
+
+    mask: AbstractMask | None
+    scale: float
+
+    def forward_lse(self, q, k, v):
+        return attention(
+            q, k, v, mask=self.mask, score_mod=None, scale=self.scale, oracle=False,
+            return_lse=True,
+        )  # fmt: skip
+
+    def backward_given(self, q, k, v, o, lse, do):
+        """Gradients through this block's keys, given the rows' statistics over all keys.
+
+        `p = exp(s - lse)`, `ds = p * (do . v - do . o)`.
+        """
+        batch, q_len, q_heads, qk_dim = q.shape
+        _, kv_len, kv_heads, v_dim = v.shape
+        groups = q_heads // kv_heads
+        f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+        qg = q.astype(f32).reshape(batch, q_len, kv_heads, groups, qk_dim)
+        kf, vf = k.astype(f32), v.astype(f32)
+        dog = do.astype(f32).reshape(batch, q_len, kv_heads, groups, v_dim)
+        og = o.astype(f32).reshape(batch, q_len, kv_heads, groups, v_dim)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kf, precision=hi) * self.scale
+        lse = lse.reshape(batch, kv_heads, groups, q_len)[..., None]
+        valid = jnp.isfinite(lse)
+        if self.mask is not None:
+            ctx = MaskContext(batch, q_len, kv_len)
+            b, h, qi, ki = index_grids(batch, kv_heads, groups, q_len, kv_len)
+            valid = valid & self.mask.predicate(ctx, b, h, qi, ki)
+        p = jnp.where(valid, jnp.exp(jnp.where(valid, s - lse, 0.0)), 0.0)
+        delta = jnp.einsum("bqhgd,bqhgd->bhgq", og, dog, precision=hi)[..., None]
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vf, precision=hi)
+        ds = p * (dp - delta) * self.scale
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf, precision=hi)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=hi)
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=hi)
+        return dq.reshape(q.shape), dk, dv
+
+
+@dataclasses.dataclass(frozen=True)
 class XlaAttentionConfig:
     """Config of the `"xla"` implementation.
 
@@ -127,3 +173,7 @@ class XlaAttention:
 
     def __call__(self, q, k, v, *, mask, score_mod, scale, config: XlaAttentionConfig):
         return attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, oracle=config.oracle)
+
+    def blocks(self, q, k, v, *, mask, scale, config: XlaAttentionConfig):
+        del q, k, v, config
+        return XlaBlocks(mask, scale)

@@ -582,11 +582,17 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
 def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
     """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring)."""
     call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
-    cfg = config
-    if cfg.pack_gqa and call.groups > 1:
+    if config.pack_gqa and call.groups > 1:
         if not packable(call):
             raise UnsupportedError("triton", "pack_gqa needs a mask that ignores query positions")
-        return _packed_gqa(q, k, v, mask=mask, scale=scale, config=cfg)
+        return _packed_gqa(q, k, v, mask=mask, scale=scale, config=config)
+    return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
+
+
+def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
+    """The `_flash.FlashKernels` of one call (query heads unpacked)."""
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+    cfg = dataclasses.replace(config, pack_gqa=False)
     q_pad = _round_up(call.q_len, max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
     kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
     mask_ops, mask_kinds, rebuild_mask = _tiles.split(
@@ -618,8 +624,6 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
         dq=(cfg.block_q_dq, cfg.block_k_dq),
         dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
     )
-    d_pad, dv_pad = _padded_dim(call.qk_dim), _padded_dim(call.v_dim)
-    qp, kp, vp = _flash.pad_qkv(q, k, v, q_pad=q_pad, kv_pad=kv_pad, d=d_pad, dv=dv_pad)
 
     def forward(qp, kp, vp, fwd_ranges, operands):
         return _forward(st, build, qp, kp, vp, fwd_ranges, operands)
@@ -627,9 +631,10 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAtt
     def backward(qp, kp, vp, o, lse, do, ranges, operands):
         return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
-    return _flash.attend(
-        forward, backward, qp, kp, vp, ranges, operands, q_len=call.q_len, v_dim=call.v_dim
-    )
+    return _flash.FlashKernels(
+        forward, backward, ranges, operands, q_pad, kv_pad,
+        _padded_dim(call.qk_dim), _padded_dim(call.v_dim),
+    )  # fmt: skip
 
 
 def packable(call: AttentionCall) -> bool:
@@ -697,3 +702,7 @@ class TritonAttention:
 
     def __call__(self, q, k, v, *, mask, score_mod, scale, config: TritonAttentionConfig):
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
+
+    def blocks(self, q, k, v, *, mask, scale, config: TritonAttentionConfig):
+        """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""
+        return kernels(q, k, v, mask=mask, score_mod=None, scale=scale, config=config)

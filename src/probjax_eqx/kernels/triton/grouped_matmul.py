@@ -63,6 +63,7 @@ class Layout(eqx.Module):
 
     dest: jax.Array  # [M] padded row of each row (`rows`, out of bounds, past the groups)
     tile_group: jax.Array  # [tiles] group of each row tile (0 for tiles past the end)
+    tile_live: jax.Array  # [tiles] whether a tile holds rows (worst-case buffers: few do)
     row_valid: jax.Array  # [rows] whether the padded row holds a real row
     group_tiles: tuple[jax.Array, jax.Array]  # per group: [first, end) row tiles
     rows: int = eqx.field(static=True)  # padded row count
@@ -103,7 +104,8 @@ def layout(group_sizes, m: int, block: int) -> Layout:
     tile_group = jnp.where(tile_group < groups, tile_group, 0)
     valid = jnp.zeros((rows,), bool).at[dest].set(True, mode="drop")
     first, end = padded_starts // block, padded_ends // block
-    return Layout(dest, tile_group, valid, (first, end), rows)
+    live = tile_start < jnp.sum(padded)
+    return Layout(dest, tile_group, live, valid, (first, end), rows)
 
 
 def _params(cfg):
@@ -111,7 +113,7 @@ def _params(cfg):
 
 
 def _matmul_kernel(*refs, block_k, transpose_rhs, gather, scatter):
-    group_ref, valid_ref, token_ref, scale_ref, lhs_ref, rhs_ref = refs[:6]
+    group_ref, live_ref, valid_ref, token_ref, scale_ref, lhs_ref, rhs_ref = refs[:7]
     out_ref = refs[-1]
     g = group_ref[()]
     valid = valid_ref[...]
@@ -127,7 +129,9 @@ def _matmul_kernel(*refs, block_k, transpose_rhs, gather, scatter):
 
     bn = rhs_ref.shape[1] if transpose_rhs else rhs_ref.shape[2]
     acc = jnp.zeros((valid.shape[0], bn), jnp.float32)
-    acc = jax.lax.fori_loop(0, k_total // block_k, body, acc)
+    # Tiles past the groups hold no rows: skip their K loop (zeros are stored).
+    steps = jnp.where(live_ref[()], k_total // block_k, 0)
+    acc = jax.lax.fori_loop(0, steps, body, acc)
     acc = jnp.where(valid[:, None], acc * scale_ref[...][:, None], 0.0)
     if scatter:  # each row adds into its token's row (padding rows: the spare last row)
         cols = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -165,8 +169,10 @@ def _matmul(
     tokens = jnp.zeros((lay.rows,), jnp.int32) if tokens is None else tokens
     scale = jnp.ones((lay.rows,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     row = pl.BlockSpec((bm,), lambda t, j: (t,))
+    per_tile = pl.BlockSpec((None,), lambda t, j: (t,))
     in_specs = [
-        pl.BlockSpec((None,), lambda t, j: (t,)),
+        per_tile,
+        per_tile,
         row,
         row,
         row,
@@ -175,7 +181,7 @@ def _matmul(
         else pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
         pl.BlockSpec(rhs_block, rhs_index),
     ]
-    operands = [lay.tile_group, lay.row_valid, tokens, scale, lhs, rhs]
+    operands = [lay.tile_group, lay.tile_live, lay.row_valid, tokens, scale, lhs, rhs]
     if scatter is None:
         out_spec = pl.BlockSpec((bm, bn), lambda t, j: (t, j))
         out_shape = jax.ShapeDtypeStruct((lay.rows, n), lhs.dtype)
