@@ -8,9 +8,17 @@ curves and the per-expert load.
 
     python examples/train_moe_lm.py               # small CPU run, about a minute
     python examples/train_moe_lm.py --size large  # more experts and width, for the GPU
+    python examples/train_moe_lm.py --mesh data=2,expert=4  # 8 devices (CPU: simulated)
+
+With `--mesh`, the batch is split over every mesh axis (data parallel) and each MoE's
+experts over the `expert` axis (`probjax_eqx.expert_parallel_moe`); the rest of the
+model is replicated. On the CPU the script asks XLA for as many host devices as the mesh
+needs.
 """
 
 import argparse
+import math
+import os
 import pathlib
 
 import equinox as eqx
@@ -46,9 +54,11 @@ class Block(eqx.Module):
     attention: pjx.Attention
     norm2: eqx.nn.RMSNorm
     moe: pjx.MoE
+    mesh: jax.sharding.Mesh | None = eqx.field(static=True)
 
-    def __init__(self, cfg, *, key):
+    def __init__(self, cfg, *, mesh=None, key):
         k1, k2 = jax.random.split(key)
+        self.mesh = mesh
         self.norm1, self.norm2 = eqx.nn.RMSNorm(cfg["dim"]), eqx.nn.RMSNorm(cfg["dim"])
         self.attention = pjx.Attention(cfg["dim"], cfg["heads"], rope_theta=1e4, key=k1)
         self.moe = pjx.MoE(cfg["dim"], cfg["d_ff"], num_experts=cfg["experts"], top_k=2, key=k2)
@@ -59,7 +69,11 @@ class Block(eqx.Module):
         # The MoE routes every token of the batch together: one grouped matmul per expert
         # matrix for the whole batch.
         flat = x.reshape(-1, x.shape[-1])
-        y, aux = self.moe(jax.vmap(self.norm2)(flat))
+        h = jax.vmap(self.norm2)(flat)
+        if self.mesh is None:
+            y, aux = self.moe(h)
+        else:  # experts split over the mesh's "expert" axis
+            y, aux = pjx.expert_parallel_moe(self.moe, h, mesh=self.mesh)
         return x + y.reshape(x.shape), aux
 
 
@@ -68,10 +82,10 @@ class MoELM(eqx.Module):
     blocks: tuple
     head: eqx.nn.Linear
 
-    def __init__(self, cfg, *, key):
+    def __init__(self, cfg, *, mesh=None, key):
         keys = jax.random.split(key, cfg["depth"] + 2)
         self.embed = eqx.nn.Embedding(256, cfg["dim"], key=keys[0])
-        self.blocks = tuple(Block(cfg, key=k) for k in keys[2:])
+        self.blocks = tuple(Block(cfg, mesh=mesh, key=k) for k in keys[2:])
         self.head = eqx.nn.Linear(cfg["dim"], 256, key=keys[1])
 
     def __call__(self, tokens):  # [batch, seq]
@@ -91,6 +105,31 @@ def loss_fn(model, tokens, lb_weight=0.01, z_weight=1e-3):
     return ce + lb_weight * lb + z_weight * z, (ce, lb, load)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=2,expert=4"` -> `{"data": 2, "expert": 4}`."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name or not size.isdigit():
+            raise SystemExit(f"--mesh takes name=size pairs like data=2,expert=4, got {text!r}")
+        axes[name] = int(size)
+    if "expert" not in axes:
+        raise SystemExit("--mesh needs an 'expert' axis")
+    return axes
+
+
+def make_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+    count = math.prod(axes.values())
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}"  # before JAX starts
+    devices = jax.devices()
+    if len(devices) < count:
+        raise SystemExit(f"--mesh needs {count} devices, found {len(devices)}")
+    grid = np.array(devices[:count]).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(grid, tuple(axes))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -100,11 +139,17 @@ def main(argv=None):
     parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("moe_lm.png"))
     parser.add_argument("--checkpoint", type=pathlib.Path, default=pathlib.Path("/tmp/moe.eqx"))
     parser.add_argument("--resume", type=pathlib.Path, default=None)
+    parser.add_argument("--mesh", type=parse_mesh, default=None, help="e.g. data=2,expert=4")
     args = parser.parse_args(argv)
     cfg = SIZES[args.size]
+    mesh = None if args.mesh is None else make_mesh(args.mesh)
     text = jnp.asarray(corpus(4000, args.seed))
     held_out = jnp.asarray(corpus(400, args.seed + 1))
-    model = MoELM(cfg, key=jax.random.key(args.seed))
+    model = MoELM(cfg, mesh=mesh, key=jax.random.key(args.seed))
+    if mesh is not None:
+        model = pjx.sharding.shard(model, mesh, pjx.expert_parallel_specs(model, "expert"))
+        batch_sharding = pjx.sharding.data_parallel(mesh, tuple(mesh.axis_names))
+        print(f"mesh {dict(mesh.shape)}: experts split over 'expert', batch over all axes")
     tokens_per_batch = cfg["batch"] * cfg["seq"]
     print(
         "expert dispatch:", model.blocks[0].moe.explain(jnp.zeros((tokens_per_batch, cfg["dim"])))
@@ -117,7 +162,10 @@ def main(argv=None):
 
     def windows(key, source, batch):
         starts = jax.random.randint(key, (batch,), 0, source.shape[0] - cfg["seq"] - 1)
-        return jax.vmap(lambda s: jax.lax.dynamic_slice(source, (s,), (cfg["seq"] + 1,)))(starts)
+        out = jax.vmap(lambda s: jax.lax.dynamic_slice(source, (s,), (cfg["seq"] + 1,)))(starts)
+        if mesh is not None:
+            out = jax.lax.with_sharding_constraint(out, batch_sharding)
+        return out
 
     @eqx.filter_jit
     def step(state, key):

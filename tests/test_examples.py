@@ -132,3 +132,14 @@ def test_train_moe_lm_resumes_and_balances(tmp_path):
     assert second < first, out
     lb = float(re.search(r"load-balancing loss ([\d.]+)", out).group(1))
     assert lb < 2.0, out
+
+
+def test_train_moe_lm_on_a_mesh_matches_one_device(tmp_path):
+    """`--mesh data=2,expert=4`: data- and expert-parallel training on 8 CPU devices
+    reaches the single-device run's eval loss."""
+    args = ["--steps", "30", "--plot", str(tmp_path / "m.png"), "--checkpoint", str(tmp_path / "c")]
+    pattern = r"eval cross-entropy ([\d.]+)"
+    single = float(re.search(pattern, run_example("train_moe_lm.py", *args)).group(1))
+    out = run_example("train_moe_lm.py", *args, "--mesh", "data=2,expert=4")
+    assert "mesh {'data': 2, 'expert': 4}" in out, out
+    assert abs(float(re.search(pattern, out).group(1)) - single) < 0.02, out

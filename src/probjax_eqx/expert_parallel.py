@@ -23,6 +23,7 @@ moves less above it. XLA:CPU has no ragged all-to-all, so `"all_to_all"` needs G
 
 from typing import Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -42,6 +43,20 @@ def moe_partition_specs(moe: MoE, expert_axis: str):
     """
     split = {id(moe.w_gate), id(moe.w_up), id(moe.w_down)}
     return jax.tree.map(lambda a: P(expert_axis) if id(a) in split else P(), moe)
+
+
+def expert_parallel_specs(tree, expert_axis: str):
+    """Specs of a model holding `MoE`s: their experts split, every other array replicated.
+
+    Non-array leaves get `None` (the convention of `probjax_eqx.sharding`).
+    """
+
+    def specs(node):
+        if isinstance(node, MoE):
+            return moe_partition_specs(node, expert_axis)
+        return P() if eqx.is_array(node) else None
+
+    return jax.tree.map(specs, tree, is_leaf=lambda node: isinstance(node, MoE))
 
 
 def _ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, *, axis_name):
