@@ -16,6 +16,7 @@ from bench import (  # noqa: E402
     decode_suite,
     kv_lengths_suite,
     moe_suite,
+    scaling_suite,
     sequence_suite,
 )
 from bench.harness import RowWriter, device_info, versions  # noqa: E402
@@ -25,6 +26,7 @@ SUITES = {
     "decode": decode_suite,
     "kv_lengths": kv_lengths_suite,
     "moe": moe_suite,
+    "scaling": scaling_suite,
     "sequence": sequence_suite,
 }
 
@@ -55,7 +57,9 @@ def main(argv=None) -> int:
         )
         for row in tqdm(rows, desc=suite, mininterval=2.0):
             shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
-            if "fwd_ms" in row:
+            if "step_ms" in row:
+                timing = f"{row['step_ms']:.3f} ms/step, efficiency {row['efficiency']:.2f}"
+            elif "fwd_ms" in row:
                 bwd = f"{row['fwd_bwd_ms']:.3f}" if "fwd_bwd_ms" in row else "-"
                 timing = f"{row['fwd_ms']:.3f} / {bwd} ms"
             else:

@@ -54,11 +54,11 @@ class Block(eqx.Module):
     attention: pjx.Attention
     norm2: eqx.nn.RMSNorm
     moe: pjx.MoE
-    mesh: jax.sharding.Mesh | None = eqx.field(static=True)
+    token_axes: tuple[str, ...] | None = eqx.field(static=True)
 
-    def __init__(self, cfg, *, mesh=None, key):
+    def __init__(self, cfg, *, token_axes=None, key):
         k1, k2 = jax.random.split(key)
-        self.mesh = mesh
+        self.token_axes = token_axes
         self.norm1, self.norm2 = eqx.nn.RMSNorm(cfg["dim"]), eqx.nn.RMSNorm(cfg["dim"])
         self.attention = pjx.Attention(cfg["dim"], cfg["heads"], rope_theta=1e4, key=k1)
         self.moe = pjx.MoE(cfg["dim"], cfg["d_ff"], num_experts=cfg["experts"], top_k=2, key=k2)
@@ -70,10 +70,12 @@ class Block(eqx.Module):
         # matrix for the whole batch.
         flat = x.reshape(-1, x.shape[-1])
         h = jax.vmap(self.norm2)(flat)
-        if self.mesh is None:
+        if self.token_axes is None:
             y, aux = self.moe(h)
-        else:  # experts split over the mesh's "expert" axis
-            y, aux = pjx.expert_parallel_moe(self.moe, h, mesh=self.mesh)
+        else:  # one device's shard: its experts, its tokens (inside shard_map)
+            y, aux = pjx.expert_parallel_moe_shard(
+                self.moe, h, expert_axis="expert", token_axes=self.token_axes
+            )
         return x + y.reshape(x.shape), aux
 
 
@@ -82,10 +84,10 @@ class MoELM(eqx.Module):
     blocks: tuple
     head: eqx.nn.Linear
 
-    def __init__(self, cfg, *, mesh=None, key):
+    def __init__(self, cfg, *, token_axes=None, key):
         keys = jax.random.split(key, cfg["depth"] + 2)
         self.embed = eqx.nn.Embedding(256, cfg["dim"], key=keys[0])
-        self.blocks = tuple(Block(cfg, mesh=mesh, key=k) for k in keys[2:])
+        self.blocks = tuple(Block(cfg, token_axes=token_axes, key=k) for k in keys[2:])
         self.head = eqx.nn.Linear(cfg["dim"], 256, key=keys[1])
 
     def __call__(self, tokens):  # [batch, seq]
@@ -145,10 +147,17 @@ def main(argv=None):
     mesh = None if args.mesh is None else make_mesh(args.mesh)
     text = jnp.asarray(corpus(4000, args.seed))
     held_out = jnp.asarray(corpus(400, args.seed + 1))
-    model = MoELM(cfg, mesh=mesh, key=jax.random.key(args.seed))
+    axes = None if mesh is None else tuple(mesh.axis_names)
+    model = MoELM(cfg, token_axes=axes, key=jax.random.key(args.seed))
+    value_and_grad = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     if mesh is not None:
-        model = pjx.sharding.shard(model, mesh, pjx.expert_parallel_specs(model, "expert"))
-        batch_sharding = pjx.sharding.data_parallel(mesh, tuple(mesh.axis_names))
+        specs = pjx.expert_parallel_specs(model, "expert")
+        model = pjx.sharding.shard(model, mesh, specs)
+        batch_sharding = pjx.sharding.data_parallel(mesh, axes)
+        # The loss runs per device; each MoE exchanges tokens with the experts' devices.
+        value_and_grad = pjx.sharding.value_and_grad(
+            loss_fn, mesh, specs, batch_axes=axes, local_axes=("expert",), has_aux=True
+        )
         print(f"mesh {dict(mesh.shape)}: experts split over 'expert', batch over all axes")
     tokens_per_batch = cfg["batch"] * cfg["seq"]
     print(
@@ -170,13 +179,13 @@ def main(argv=None):
     @eqx.filter_jit
     def step(state, key):
         model, opt_state = state
-        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
-        (_, (ce, lb, _)), grads = grad_fn(model, windows(key, text, cfg["batch"]))
+        (_, (ce, lb, _)), grads = value_and_grad(model, windows(key, text, cfg["batch"]))
         updates, opt_state = optimiser.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return (eqx.apply_updates(model, updates), opt_state), {"ce": ce, "lb": lb}
 
     state, history = train(step, state, args.steps, jax.random.key(args.seed + 2))
-    _, (ce, lb, load) = eqx.filter_jit(loss_fn)(state[0], windows(jax.random.key(7), held_out, 128))
+    held_out_batch = windows(jax.random.key(7), held_out, 128)
+    (_, (ce, lb, load)), _ = eqx.filter_jit(value_and_grad)(state[0], held_out_batch)
     print(f"eval cross-entropy {float(ce):.3f} nats/byte (uniform {np.log(256):.3f}), "
           f"load-balancing loss {float(lb):.3f} (1.0 = even)")  # fmt: skip
     print("expert load:", np.round(np.asarray(load), 3).tolist())

@@ -10,14 +10,14 @@ from jax.sharding import PartitionSpec as P
 
 from _check import check_against_oracle
 from _tolerance import assert_close
-from probjax_eqx import MoE, UnsupportedError, masks
+from probjax_eqx import Attention, MoE, UnsupportedError, masks
 from probjax_eqx import expert_parallel as ep
 from probjax_eqx.expert_parallel import expert_parallel_moe
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
 from probjax_eqx.ring_attention import context_parallel_attention, zigzag_permutation
-from probjax_eqx.sharding import data_parallel, fsdp_specs, shard
+from probjax_eqx.sharding import data_parallel, fsdp_specs, replicated_specs, shard, value_and_grad
 
 
 def mesh_of(**axes):
@@ -196,3 +196,42 @@ def test_fsdp_specs_shard_large_params_and_match_one_device(getkey):
     want = eqx.filter_value_and_grad(loss)(model, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(a, b, jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicated"])
+def test_shard_map_value_and_grad_matches_one_device(getkey, layout):
+    """Per-device losses under `shard_map` (our kernels see local shapes): FSDP gathers
+    and reduce-scatters, replicated parameters average."""
+    model = eqx.nn.MLP(16, 4, 64, 2, key=getkey())
+    mesh = mesh_of(data=4, model=2)
+    if layout == "fsdp":
+        specs = fsdp_specs(model, mesh, axis="data", min_size=256)
+    else:
+        specs = replicated_specs(model)
+    x = jax.random.normal(getkey(), (32, 16))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    f = value_and_grad(loss, mesh, specs, batch_axes=("data", "model"))
+    got = eqx.filter_jit(f)(shard(model, mesh, specs), x)
+    want = eqx.filter_value_and_grad(loss)(model, x)
+    assert_close(got[0], want[0], jnp.float32)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert_close(a, b, jnp.float32, grad=True)
+
+
+def test_shard_map_value_and_grad_runs_our_kernels_per_device(getkey):
+    attention = Attention(16, 2, implementation="triton", config=TritonAttentionConfig(
+        interpret=True), key=getkey())  # fmt: skip
+    mesh = mesh_of(data=2)
+    x = jax.random.normal(getkey(), (4, 24, 16))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(lambda s: m(s, mask=masks.Causal()))(x) ** 2)
+
+    specs = replicated_specs(attention)
+    got = eqx.filter_jit(value_and_grad(loss, mesh, specs))(attention, x)
+    want = eqx.filter_value_and_grad(loss)(attention, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, jnp.float32, grad=True)

@@ -21,6 +21,7 @@ from probjax_eqx.backends import explain as explain
 from probjax_eqx.backends import resolve as resolve
 from probjax_eqx.dit import DiffusionTransformer as DiffusionTransformer
 from probjax_eqx.expert_parallel import expert_parallel_moe as expert_parallel_moe
+from probjax_eqx.expert_parallel import expert_parallel_moe_shard as expert_parallel_moe_shard
 from probjax_eqx.expert_parallel import expert_parallel_specs as expert_parallel_specs
 from probjax_eqx.mamba import Mamba as Mamba
 from probjax_eqx.mamba import Mamba2 as Mamba2

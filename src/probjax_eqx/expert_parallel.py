@@ -145,6 +145,52 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
 
 
+def _check(moe: MoE, experts_per_axis: int, expert_axis: str, exchange: str, platform: str):
+    """Validate a call; returns the exchange function."""
+    if moe.num_experts % experts_per_axis:
+        raise ValueError(
+            f"num_experts={moe.num_experts} is not a multiple of the {expert_axis!r} axis "
+            f"size {experts_per_axis}"
+        )
+    if moe.dispatch_mode == "fused_gsum":
+        raise UnsupportedError(
+            "fused_gsum", "expert parallelism runs the sorted dispatch; build the MoE with "
+            "dispatch='auto' (or a grouped-matmul name)"
+        )  # fmt: skip
+    if exchange == "auto":
+        exchange = "all_to_all" if _ragged_supported(platform) else "gather"
+    if exchange not in ("all_to_all", "gather"):
+        raise ValueError(f"exchange={exchange!r}: expected 'auto', 'all_to_all' or 'gather'")
+    if exchange == "all_to_all" and not _ragged_supported(platform):
+        raise UnsupportedError(
+            "all_to_all", "XLA:CPU has no ragged all-to-all; pass exchange='gather'"
+        )
+    return _all_to_all_exchange if exchange == "all_to_all" else _gather_exchange
+
+
+def expert_parallel_moe_shard(
+    moe: MoE,
+    x: Float[Array, "shard_tokens d_model"],
+    *,
+    expert_axis: str,
+    token_axes: tuple[str, ...],
+    exchange: Exchange = "auto",
+) -> tuple[Float[Array, "shard_tokens d_model"], MoEAux]:
+    """`expert_parallel_moe` on one device's shard: call it inside `jax.shard_map`.
+
+    `moe` holds this device's experts (split by `moe_partition_specs`), `x` its tokens.
+    The `shard_map` needs `check_vma=False` (Pallas outputs carry no varying-axes type).
+    """
+    run = _check(moe, 1, expert_axis, exchange, jax.default_backend())
+    dtype = jnp.dtype(moe.compute_dtype or x.dtype)
+    experts, weights, stats = moe.route_stats(x)
+    y = run(moe, x.astype(dtype), experts, weights, expert_axis)
+    if moe.shared is not None:
+        y = y + jax.vmap(moe.shared)(x).astype(jnp.float32)
+    stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
+    return y.astype(x.dtype), stats.aux(moe.top_k)
+
+
 def expert_parallel_moe(
     moe: MoE,
     x: Float[Array, "tokens d_model"],
@@ -171,44 +217,19 @@ def expert_parallel_moe(
     token_axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
     if expert_axis not in token_axes:
         raise ValueError(f"token_axes={token_axes} must include expert_axis={expert_axis!r}")
-    size = mesh.shape[expert_axis]
-    if moe.num_experts % size:
-        raise ValueError(
-            f"num_experts={moe.num_experts} is not a multiple of the {expert_axis!r} axis "
-            f"size {size}"
-        )
-    if moe.dispatch_mode == "fused_gsum":
-        raise UnsupportedError(
-            "fused_gsum", "expert parallelism runs the sorted dispatch; build the MoE with "
-            "dispatch='auto' (or a grouped-matmul name)"
-        )  # fmt: skip
-    platform = mesh.devices.flat[0].platform
-    if exchange == "auto":
-        exchange = "gather" if platform == "cpu" else "all_to_all"
-    if exchange not in ("all_to_all", "gather"):
-        raise ValueError(f"exchange={exchange!r}: expected 'auto', 'all_to_all' or 'gather'")
-    if exchange == "all_to_all" and not _ragged_supported(platform):
-        raise UnsupportedError(
-            "all_to_all", "XLA:CPU has no ragged all-to-all; pass exchange='gather'"
-        )
-    run = _all_to_all_exchange if exchange == "all_to_all" else _gather_exchange
+    _check(moe, mesh.shape[expert_axis], expert_axis, exchange, mesh.devices.flat[0].platform)
 
     def body(moe: MoE, x):
-        dtype = jnp.dtype(moe.compute_dtype or x.dtype)
-        experts, weights, stats = moe.route_stats(x)
-        y = run(moe, x.astype(dtype), experts, weights, expert_axis)
-        if moe.shared is not None:
-            y = y + jax.vmap(moe.shared)(x).astype(jnp.float32)
-        stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
-        return y.astype(x.dtype), stats
+        return expert_parallel_moe_shard(
+            moe, x, expert_axis=expert_axis, token_axes=token_axes, exchange=exchange
+        )
 
     tokens = P(token_axes)
     # Pallas outputs carry no varying-axes type: our kernels need `check_vma=False`.
-    y, stats = jax.shard_map(
+    return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(moe_partition_specs(moe, expert_axis), tokens),
-        out_specs=(tokens, P()),  # the statistics: summed, replicated
+        out_specs=(tokens, P()),  # the router statistics: summed, replicated
         check_vma=False,
     )(moe, x)
-    return y, stats.aux(moe.top_k)
