@@ -63,7 +63,7 @@ class Layout(eqx.Module):
 
     dest: jax.Array  # [M] padded row of each row (`rows`, out of bounds, past the groups)
     tile_group: jax.Array  # [tiles] group of each row tile (0 for tiles past the end)
-    tile_live: jax.Array  # [tiles] whether a tile holds rows (worst-case buffers: few do)
+    tile_live: jax.Array  # [tiles] 1 where a tile holds rows (worst-case buffers: few do)
     row_valid: jax.Array  # [rows] whether the padded row holds a real row
     group_tiles: tuple[jax.Array, jax.Array]  # per group: [first, end) row tiles
     rows: int = eqx.field(static=True)  # padded row count
@@ -104,7 +104,7 @@ def layout(group_sizes, m: int, block: int) -> Layout:
     tile_group = jnp.where(tile_group < groups, tile_group, 0)
     valid = jnp.zeros((rows,), bool).at[dest].set(True, mode="drop")
     first, end = padded_starts // block, padded_ends // block
-    live = tile_start < jnp.sum(padded)
+    live = (tile_start < jnp.sum(padded)).astype(jnp.int32)  # int32 like tile_group
     return Layout(dest, tile_group, live, valid, (first, end), rows)
 
 
@@ -130,7 +130,7 @@ def _matmul_kernel(*refs, block_k, transpose_rhs, gather, scatter):
     bn = rhs_ref.shape[1] if transpose_rhs else rhs_ref.shape[2]
     acc = jnp.zeros((valid.shape[0], bn), jnp.float32)
     # Tiles past the groups hold no rows: skip their K loop (zeros are stored).
-    steps = jnp.where(live_ref[()], k_total // block_k, 0)
+    steps = jnp.where(live_ref[()] > 0, k_total // block_k, 0)
     acc = jax.lax.fori_loop(0, steps, body, acc)
     acc = jnp.where(valid[:, None], acc * scale_ref[...][:, None], 0.0)
     if scatter:  # each row adds into its token's row (padding rows: the spare last row)
