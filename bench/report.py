@@ -1,0 +1,198 @@
+"""Render benchmark rows into a Markdown report and plots.
+
+    python -m bench.report bench/results/h200.json --out docs/benchmarks
+
+Writes `<out>/<device>.md` (a table per suite in ms, our default marked, each other
+implementation's time over our default's, XLA's buffer plan for MoE, the GPU test
+counts, and a "known gaps" section listing every case where a peer beats our default)
+and `<out>/<device>_<suite>.png` (time relative to our default, per case). Rows are
+validated first (`validate`); a cell shows the newest run of its case.
+"""
+
+import argparse
+import collections
+import json
+import pathlib
+import re
+
+from bench.harness import STATUSES
+
+# Our default per suite (sequence: per model, `_default_for`).
+DEFAULTS = {
+    "attention": "probjax auto",
+    "decode": "probjax auto",
+    "kv_lengths": "probjax auto",
+    "grouped_matmul": "grouped_matmul mosaic",
+    "moe": "probjax moe auto",
+}
+_REQUIRED = {"suite": str, "implementation": str, "shape": dict, "dtype": str, "status": str}
+
+
+def validate(row: dict) -> None:
+    """Raise ValueError naming what is wrong with a row."""
+    for key, kind in _REQUIRED.items():
+        if not isinstance(row.get(key), kind):
+            raise ValueError(f"row needs {key!r} of type {kind.__name__}: {row}")
+    if row["status"] not in STATUSES:
+        raise ValueError(f"status {row['status']!r} is not one of {STATUSES}: {row}")
+    if row["status"] == "ok" and not any(
+        isinstance(row.get(k), int | float) for k in ("fwd_ms", "fwd_bwd_ms", "step_ms")
+    ):
+        raise ValueError(f"an 'ok' row needs fwd_ms, fwd_bwd_ms or step_ms: {row}")
+    if row["status"] != "ok" and not row.get("message"):
+        raise ValueError(f"a {row['status']!r} row needs a message: {row}")
+
+
+def _case(row: dict) -> tuple:
+    group = row["implementation"].split()[0] if row["suite"] == "sequence" else ""
+    shape = json.dumps(row["shape"], sort_keys=True)
+    return row["suite"], group, shape, row["dtype"], row.get("mask", "")
+
+
+def _default_for(suite: str, group: str, impls: set[str]) -> str | None:
+    if suite == "sequence":
+        for name in (f"{group} triton", f"{group} auto"):
+            if name in impls:
+                return name
+        return None
+    name = DEFAULTS.get(suite)
+    return name if name in impls else None
+
+
+def latest(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """`case -> implementation -> row`, the newest run of each."""
+    cases: dict[tuple, dict[str, dict]] = collections.defaultdict(dict)
+    for row in sorted(rows, key=lambda r: (r.get("run", 0), r.get("date", ""))):
+        cases[_case(row)][row["implementation"]] = row
+    return cases
+
+
+_TIMES = ("fwd_bwd_ms", "step_ms", "fwd_ms")
+
+
+def _time(row: dict, keys=_TIMES) -> float | None:
+    if row["status"] != "ok":
+        return None
+    for key in keys:
+        if isinstance(row.get(key), int | float):
+            return float(row[key])
+    return None
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    """`row`'s time over `base`'s, on the first measure both have."""
+    if base is None:
+        return None
+    for key in _TIMES:
+        t, b = _time(row, (key,)), _time(base, (key,))
+        if t is not None and b is not None:
+            return t / b
+    return None
+
+
+def _fmt(value, digits=3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def gpu_test_counts(folder: pathlib.Path) -> list[str]:
+    """One line per saved GPU test log: its pytest summary line."""
+    lines = []
+    for path in sorted(folder.glob("*gpu_tests*.txt")):
+        found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", path.read_text(), re.M)
+        lines.append(f"- `{path.name}`: {found[-1] if found else 'no summary (run cut short)'}")
+    return lines
+
+
+def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | None = None):
+    """Write `<out>/<name>.md` and one PNG per suite; returns the Markdown path."""
+    for row in rows:
+        validate(row)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = latest(rows)
+    newest = max(rows, key=lambda r: r.get("date", ""))
+    lines = [
+        f"# Benchmarks: {newest.get('device', {}).get('kind', name)}",
+        "",
+        f"Versions: {json.dumps(newest.get('versions', {}))}. Rendered by `bench/report.py`",
+        "from the committed rows; each cell is the newest run of its case (`run`). Times are",
+        "medians in ms (fwd+bwd, or one train step). **ratio** = that implementation's time",
+        "over our default's, on the first of fwd+bwd / step / fwd that both have (above 1: we",
+        "are faster). Status `unsup.` / `OOM` / `error` rows keep their message.",
+        "",
+    ]
+    if logs is not None:
+        lines += ["## GPU tests", "", *gpu_test_counts(logs), ""]
+    gaps, plots = [], collections.defaultdict(list)
+    by_suite = collections.defaultdict(list)
+    for case in cases:
+        by_suite[case[0]].append(case)
+    for suite in sorted(by_suite):
+        lines += [f"## {suite}", ""]
+        memory = suite == "moe"
+        header = "| case | implementation | status | fwd ms | fwd+bwd / step ms | TFLOP/s | ratio |"
+        lines += [header + (" plan GiB |" if memory else ""), "|---" * (7 + memory) + "|"]
+        for case in by_suite[suite]:
+            impls = cases[case]
+            default = _default_for(suite, case[1], set(impls))
+            base = impls[default] if default else None
+            shape = ", ".join(f"{k}={v}" for k, v in json.loads(case[2]).items())
+            label = f"{shape}, {case[3]}" + (f", {case[4]}" if case[4] else "")
+            for impl, row in sorted(impls.items(), key=lambda kv: (kv[0] != default, kv[0])):
+                t = _time(row)
+                ratio = _ratio(row, base)
+                mark = f"**{impl}** (default)" if impl == default else impl
+                status = row["status"] if row["status"] == "ok" else (
+                    f"{row['status']}: {row['message'][:60]}"
+                )  # fmt: skip
+                cells = [label, mark, status, _fmt(row.get("fwd_ms")), _fmt(t),
+                         _fmt(row.get("tflops_fwd_bwd"), 0), _fmt(ratio, 2)]  # fmt: skip
+                if memory:
+                    plan = row.get("temp_bytes")
+                    cells.append(_fmt(None if plan is None else plan / 2**30, 2))
+                lines.append("| " + " | ".join(cells) + " |")
+                if ratio is not None and impl != default:
+                    compact = "x".join(str(v) for v in json.loads(case[2]).values())
+                    plots[suite].append((f"{compact} {case[4]} | {impl}", ratio))
+                    if row.get("peer") and ratio < 1.0:
+                        gaps.append(f"- {suite}, {label}: {impl} takes {ratio:.2f}x our time")
+        lines.append("")
+    lines += ["## Known gaps", "", *(gaps or ["- none: our default is fastest in every case"]), ""]
+    for suite, bars in plots.items():
+        _plot(out / f"{name}_{suite}.png", suite, bars)
+        lines += [f"![{suite}]({name}_{suite}.png)", ""]
+    path = out / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _plot(path: pathlib.Path, suite: str, bars: list[tuple[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = bars[:80]
+    fig, ax = plt.subplots(figsize=(10, 0.22 * len(bars) + 1.2))
+    ax.barh(range(len(bars)), [r for _, r in bars])
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=6)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("time / our default's time (right of 1: our default is faster)")
+    ax.set_title(suite)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", type=pathlib.Path)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    rows = json.loads(args.rows.read_text())["rows"]
+    path = render(rows, args.out, args.rows.stem, logs=args.rows.parent)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""bench/report.py renders a fixture of rows: schema checks, default marking, known gaps."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench.report import render, validate  # noqa: E402
+
+
+def _row(impl, fwd_bwd, *, peer=False, status="ok", **extra):
+    row = dict(suite="attention", implementation=impl, peer=peer, dtype="bfloat16",
+               shape=dict(seq=4096, head_dim=128), mask="none", status=status, message="",
+               device=dict(kind="NVIDIA H200"), versions=dict(jax="0.11.2"), run=1,
+               date="2026-12-03T00:00:00")  # fmt: skip
+    if status == "ok":
+        row.update(fwd_ms=fwd_bwd / 3, fwd_bwd_ms=fwd_bwd)
+    return {**row, **extra}
+
+
+def test_report_marks_the_default_and_lists_gaps(tmp_path):
+    rows = [
+        _row("probjax auto", 2.0),
+        _row("torch sdpa cudnn", 1.6, peer=True),  # a peer that wins: a known gap
+        _row("jax.nn xla", 6.0, peer=True),
+        _row("probjax mosaic", 0.0, status="unsup.", message="UnsupportedError: no"),
+        _row("probjax auto", 1.5, run=2, date="2026-12-04T00:00:00"),  # newer run wins
+        dict(_row("probjax moe auto", 4.0, temp_bytes=2**30), suite="moe"),
+    ]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "h200_gpu_tests_run1.txt").write_text("..\n==== 2 passed, 1 failed in 3.0s ====\n")
+    path = render(rows, tmp_path / "out", "h200", logs=logs)
+    text = path.read_text()
+    assert "| **probjax auto** (default) | ok | 0.500 | 1.500 |" in text
+    assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 1.07 |" in text  # 1.6 / 1.5
+    assert "jax.nn xla | ok | 2.000 | 6.000 | - | 4.00 |" in text
+    assert "unsup.: UnsupportedError: no" in text
+    assert "| 1.00 | 1.00 |" in text.split("## moe")[1]  # ratio, then the plan in GiB
+    assert "2 passed, 1 failed" in text
+    assert "none: our default is fastest" in text
+    assert (tmp_path / "out" / "h200_attention.png").stat().st_size > 0
+    rows[1]["fwd_bwd_ms"] = 1.2
+    text = render(rows, tmp_path / "out", "h200").read_text()
+    assert "torch sdpa cudnn takes 0.80x our time" in text
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(status="fast"), "status 'fast'"),
+        (dict(suite=None), "'suite'"),
+        (dict(fwd_ms=None, fwd_bwd_ms=None), "needs fwd_ms"),
+        (dict(status="error", message=""), "needs a message"),
+    ],
+)
+def test_report_rejects_malformed_rows(change, match):
+    with pytest.raises(ValueError, match=match):
+        validate({**_row("probjax auto", 1.0), **change})
