@@ -26,7 +26,7 @@ forward that returns the log-sum-exp and a backward that takes it (`"triton"`,
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -58,6 +58,32 @@ def zigzag_permutation(seq_len: int, num_shards: int) -> np.ndarray:
     return chunks[order].reshape(-1)
 
 
+# What each ring step computes, by its kind (`_Ring.kind`): `(query part, key part,
+# causal)`, a part being "all" or a half ("first", "second"); `None` adds nothing.
+_STEPS = {
+    "contiguous": (("all", "all", False), ("all", "all", True), None),
+    "zigzag": (("all", "first", False), ("all", "all", True), ("second", "all", False)),
+}
+
+
+def _part(x, part: str, axis: int = 1):
+    if part == "all":
+        return x
+    half = x.shape[axis] // 2
+    window = slice(None, half) if part == "first" else slice(half, None)
+    return x[(slice(None),) * axis + (window,)]
+
+
+def _place(x, part: str, length: int, *, axis: int = 1, fill=0.0):
+    """`x`, computed for one part of a `length`-long axis, padded back to full length."""
+    if part == "all":
+        return x
+    pad = [(0, 0)] * x.ndim
+    missing = length - x.shape[axis]
+    pad[axis] = (0, missing) if part == "first" else (missing, 0)
+    return jnp.pad(x, pad, constant_values=fill)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Ring:
     """Static plan of one ring call."""
@@ -79,73 +105,49 @@ class _Ring:
         return jax.lax.ppermute(tree, self.axis_name, perm)
 
     def kind(self, step: int):
-        """0: all pairs (or the zigzag 'early' step), 1: causal diagonal, 2: the rest."""
+        """Index into `_STEPS`: 0 the block came from before us, 1 ours, 2 after us."""
         i = jax.lax.axis_index(self.axis_name)
         j = (i - step) % self.size
         return jnp.where(j < i, 0, jnp.where(j == i, 1, 2))
 
-    # Each branch returns full-size results: zeros / -inf where the step adds nothing.
-    def forward_branches(self) -> list[Callable]:
-        def full(q, k, v):
-            return self.kernels(q, k, v, False).forward_lse(q, k, v)
+    def steps(self):
+        """`_STEPS` of this call: every step computes all pairs when not causal."""
+        return _STEPS[self.layout] if self.causal else (("all", "all", False),)
 
-        def diagonal(q, k, v):
-            return self.kernels(q, k, v, True).forward_lse(q, k, v)
+    # Each step returns full-size results: zeros / -inf where it adds nothing.
+    def forward_step(self, step):
+        def run(q, k, v):
+            if step is None:
+                # `*_like` of the (device-varying) inputs keeps shard_map's types equal.
+                o = jnp.zeros_like(q, shape=(*q.shape[:3], v.shape[3]))
+                rows = (q.shape[0], q.shape[2], q.shape[1])
+                return o, jnp.full_like(q, -jnp.inf, jnp.float32, shape=rows)
+            q_part, k_part, causal = step
+            qs, ks, vs = _part(q, q_part), _part(k, k_part), _part(v, k_part)
+            o, lse = self.kernels(qs, ks, vs, causal).forward_lse(qs, ks, vs)
+            lq = q.shape[1]
+            return _place(o, q_part, lq), _place(lse, q_part, lq, axis=2, fill=-jnp.inf)
 
-        def nothing(q, k, v):
-            # `*_like` of the (device-varying) inputs keeps shard_map's types equal.
-            o = jnp.zeros_like(q, shape=(*q.shape[:3], v.shape[3]))
-            rows = (q.shape[0], q.shape[2], q.shape[1])
-            lse = jnp.full_like(q, -jnp.inf, jnp.float32, shape=rows)
-            return o, lse
+        return run
 
-        if self.layout == "contiguous":
-            return [full, diagonal, nothing]
+    def backward_step(self, step):
+        def run(q, k, v, o, lse, do):
+            if step is None:
+                return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+            q_part, k_part, causal = step
+            qs, os_, dos = _part(q, q_part), _part(o, q_part), _part(do, q_part)
+            ls, ks, vs = _part(lse, q_part, axis=2), _part(k, k_part), _part(v, k_part)
+            dq, dk, dv = self.kernels(qs, ks, vs, causal).backward_given(qs, ks, vs, os_, ls, dos)
+            lq, lk = q.shape[1], k.shape[1]
+            return _place(dq, q_part, lq), _place(dk, k_part, lk), _place(dv, k_part, lk)
 
-        def early(q, k, v):
-            c = k.shape[1] // 2
-            ks, vs = k[:, :c], v[:, :c]
-            return self.kernels(q, ks, vs, False).forward_lse(q, ks, vs)
+        return run
 
-        def late(q, k, v):
-            c = q.shape[1] // 2
-            o, lse = self.kernels(q[:, c:], k, v, False).forward_lse(q[:, c:], k, v)
-            zo, zl = nothing(q[:, :c], k, v)
-            return jnp.concatenate([zo, o], 1), jnp.concatenate([zl, lse], 2)
-
-        return [early, diagonal, late]
-
-    def backward_branches(self) -> list[Callable]:
-        def full(q, k, v, o, lse, do):
-            return self.kernels(q, k, v, False).backward_given(q, k, v, o, lse, do)
-
-        def diagonal(q, k, v, o, lse, do):
-            return self.kernels(q, k, v, True).backward_given(q, k, v, o, lse, do)
-
-        def nothing(q, k, v, o, lse, do):
-            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-
-        if self.layout == "contiguous":
-            return [full, diagonal, nothing]
-
-        def early(q, k, v, o, lse, do):
-            c = k.shape[1] // 2
-            ks, vs = k[:, :c], v[:, :c]
-            dq, dk, dv = self.kernels(q, ks, vs, False).backward_given(q, ks, vs, o, lse, do)
-            return dq, _pad_seq(dk, k.shape[1], after=True), _pad_seq(dv, k.shape[1], after=True)
-
-        def late(q, k, v, o, lse, do):
-            c = q.shape[1] // 2
-            qs, os_, ls, dos = q[:, c:], o[:, c:], lse[..., c:], do[:, c:]
-            dq, dk, dv = self.kernels(qs, k, v, False).backward_given(qs, k, v, os_, ls, dos)
-            return _pad_seq(dq, q.shape[1], after=False), dk, dv
-
-        return [early, diagonal, late]
-
-
-def _pad_seq(x, length: int, *, after: bool):
-    pad = (0, length - x.shape[1]) if after else (length - x.shape[1], 0)
-    return jnp.pad(x, ((0, 0), pad, (0, 0), (0, 0)))
+    def run(self, branches, step: int, *args):
+        """The step's computation: a `lax.switch` on its kind when there are several."""
+        if len(branches) == 1:
+            return branches[0](*args)
+        return jax.lax.switch(self.kind(step), branches, *args)
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -164,12 +166,9 @@ def _ring_forward(ring: _Ring, q, k, v):
     b, lq, h, _ = q.shape
     o = jnp.zeros((b, lq, h, v.shape[3]), jnp.float32)
     lse = jnp.full((b, h, lq), -jnp.inf, jnp.float32)
-    branches = ring.forward_branches()
+    branches = [ring.forward_step(s) for s in ring.steps()]
     for step in range(ring.size):
-        if ring.causal:
-            o_s, lse_s = jax.lax.switch(ring.kind(step), branches, q, k, v)
-        else:
-            o_s, lse_s = ring.kernels(q, k, v, False).forward_lse(q, k, v)
+        o_s, lse_s = ring.run(branches, step, q, k, v)
         o, lse = _merge(o, lse, o_s, lse_s)
         if step < ring.size - 1:
             k, v = ring.rotate((k, v))
@@ -180,12 +179,9 @@ def _ring_backward(ring: _Ring, q, k, v, o, lse, do):
     f32 = jnp.float32
     dq = jnp.zeros(q.shape, f32)
     dk, dv = jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
-    branches = ring.backward_branches()
+    branches = [ring.backward_step(s) for s in ring.steps()]
     for step in range(ring.size):
-        if ring.causal:
-            grads = jax.lax.switch(ring.kind(step), branches, q, k, v, o, lse, do)
-        else:
-            grads = ring.kernels(q, k, v, False).backward_given(q, k, v, o, lse, do)
+        grads = ring.run(branches, step, q, k, v, o, lse, do)
         dq_s, dk_s, dv_s = (g.astype(f32) for g in grads)
         dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         # dK/dV ride with their block: after `size` moves they are home.
