@@ -118,9 +118,9 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     token_of = order // moe.top_k
     dest = flat // local
     send = jnp.zeros((size,), jnp.int32).at[dest].add(1)
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-    sent_by = jax.lax.all_gather(send, axis)  # [sender, receiver]
+    sent_by = jax.lax.all_gather(send, axis)  # [sender, receiver]: every count, once
     me = jax.lax.axis_index(axis)
+    recv = sent_by[:, me]
     in_off = jnp.cumsum(send) - send
     # Where my rows land in each receiver: after those of the senders before me.
     out_off = (jnp.cumsum(sent_by, axis=0) - sent_by)[me]
@@ -136,7 +136,7 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     ys = _expert_ffn(moe, rows[local_order], sizes)
     ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to arrival order
     # The reverse exchange: what I received from each sender goes back to it.
-    recv_by = jax.lax.all_gather(recv, axis)  # [receiver, sender]: rows each got from each
+    recv_by = sent_by.T  # [receiver, sender]
     back_out_off = (jnp.cumsum(recv_by, axis=0) - recv_by)[me]
     back_in_off = jnp.cumsum(recv) - recv
     back = jnp.zeros((tokens * moe.top_k, d_model), ys.dtype)
@@ -145,18 +145,16 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
 
 
-def _check(moe: MoE, experts_per_axis: int, expert_axis: str, exchange: str, platform: str):
-    """Validate a call; returns the exchange function."""
-    if moe.num_experts % experts_per_axis:
-        raise ValueError(
-            f"num_experts={moe.num_experts} is not a multiple of the {expert_axis!r} axis "
-            f"size {experts_per_axis}"
-        )
+def _refuse_fused(moe: MoE) -> None:
     if moe.dispatch_mode == "fused_gsum":
         raise UnsupportedError(
             "fused_gsum", "expert parallelism runs the sorted dispatch; build the MoE with "
             "dispatch='auto' (or a grouped-matmul name)"
         )  # fmt: skip
+
+
+def _exchange_for(exchange: str, platform: str):
+    """The exchange function `exchange=` names on `platform`."""
     if exchange == "auto":
         exchange = "all_to_all" if _ragged_supported(platform) else "gather"
     if exchange not in ("all_to_all", "gather"):
@@ -181,7 +179,8 @@ def expert_parallel_moe_shard(
     `moe` holds this device's experts (split by `moe_partition_specs`), `x` its tokens.
     The `shard_map` needs `check_vma=False` (Pallas outputs carry no varying-axes type).
     """
-    run = _check(moe, 1, expert_axis, exchange, jax.default_backend())
+    _refuse_fused(moe)
+    run = _exchange_for(exchange, jax.default_backend())
     dtype = jnp.dtype(moe.compute_dtype or x.dtype)
     experts, weights, stats = moe.route_stats(x)
     y = run(moe, x.astype(dtype), experts, weights, expert_axis)
@@ -217,7 +216,14 @@ def expert_parallel_moe(
     token_axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
     if expert_axis not in token_axes:
         raise ValueError(f"token_axes={token_axes} must include expert_axis={expert_axis!r}")
-    _check(moe, mesh.shape[expert_axis], expert_axis, exchange, mesh.devices.flat[0].platform)
+    size = mesh.shape[expert_axis]
+    if moe.num_experts % size:
+        raise ValueError(
+            f"num_experts={moe.num_experts} is not a multiple of the {expert_axis!r} axis "
+            f"size {size}"
+        )
+    _refuse_fused(moe)
+    _exchange_for(exchange, mesh.devices.flat[0].platform)  # refuse before tracing
 
     def body(moe: MoE, x):
         return expert_parallel_moe_shard(

@@ -66,6 +66,9 @@ def tile_loop(ranges, body, init):
     return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
+LN2 = math.log(2.0)  # the kernels' log-sum-exp is base 2
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashKernels:
     """One call's forward and backward kernels with the padding they need.
@@ -122,9 +125,6 @@ class FlashKernels:
         dq, dk, dv, _ = self.backward(qp, kp, vp, op, lse2, dop, self.ranges, self.operands)
         d, lk = q.shape[3], k.shape[1]
         return dq[:, : q.shape[1], :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]]
-
-
-LN2 = math.log(2.0)
 
 
 def attend(forward, backward, qp, kp, vp, ranges, operands, *, q_len: int, v_dim: int):
