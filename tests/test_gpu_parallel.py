@@ -9,47 +9,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from _attention_cases import make_qkv
 from _check import check_against_oracle
+from _parallel import mesh_of, ring
 from _tolerance import assert_close
 from probjax_eqx import MoE, masks
 from probjax_eqx.expert_parallel import expert_parallel_moe
-from probjax_eqx.ring_attention import context_parallel_attention, zigzag_permutation
 
 pytestmark = pytest.mark.gpu
 
 
-def _mesh(axis):
-    return Mesh(np.array(jax.devices()), (axis,))
-
-
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
 def test_ring_attention_on_gpu_kernels(getkey, impl):
-    mesh = _mesh("context")
+    mesh = mesh_of(context=jax.device_count())
     seq = 512 * mesh.size
     q, k, v = make_qkv(
         getkey(), batch=2, q_len=seq, kv_len=seq, q_heads=8, kv_heads=2, qk_dim=128,
         dtype=jnp.bfloat16,
     )  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
-    perm = zigzag_permutation(seq, mesh.size)
-    inv = np.argsort(perm)
-
-    def f(q, k, v):
-        o = context_parallel_attention(
-            q[:, perm], k[:, perm], v[:, perm], mesh=mesh, causal=True, layout="zigzag",
-            implementation=impl,
-        )  # fmt: skip
-        return o[:, inv]
-
+    f = ring(mesh, "zigzag", True, implementation=impl)
     check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
 
 
 @pytest.mark.parametrize("exchange", ["all_to_all", "gather"])
 def test_expert_parallel_on_gpu(getkey, exchange):
-    mesh = _mesh("expert")
+    mesh = mesh_of(expert=jax.device_count())
     moe = MoE(512, 256, num_experts=8 * mesh.size, top_k=4, compute_dtype="bfloat16",
               key=getkey())  # fmt: skip
     x = jax.random.normal(getkey(), (1024 * mesh.size, 512))

@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _check import check_against_oracle
+from _parallel import mesh_of, ring
 from _tolerance import assert_close
 from probjax_eqx import Attention, MoE, UnsupportedError, masks
 from probjax_eqx import expert_parallel as ep
@@ -16,13 +17,8 @@ from probjax_eqx.expert_parallel import expert_parallel_moe
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
-from probjax_eqx.ring_attention import context_parallel_attention, zigzag_permutation
+from probjax_eqx.ring_attention import zigzag_permutation
 from probjax_eqx.sharding import data_parallel, fsdp_specs, replicated_specs, shard, value_and_grad
-
-
-def mesh_of(**axes):
-    devices = np.array(jax.devices()[: int(np.prod(list(axes.values())))])
-    return Mesh(devices.reshape(tuple(axes.values())), tuple(axes))
 
 
 def _qkv(getkey, batch, seq, heads, kv_heads, dim, dtype):
@@ -31,37 +27,20 @@ def _qkv(getkey, batch, seq, heads, kv_heads, dim, dtype):
     return q, k, v, jax.random.normal(getkey(), (batch, seq, heads, dim))
 
 
-def _ring(mesh, layout, causal, **kwargs):
-    """Ring attention on natural-order arrays (zigzag permuted in and out)."""
-    seq_shards = mesh.shape["context"]
-
-    def f(q, k, v):
-        seq = q.shape[1]
-        perm = zigzag_permutation(seq, seq_shards) if layout == "zigzag" else np.arange(seq)
-        inv = np.argsort(perm)
-        o = context_parallel_attention(
-            q[:, perm], k[:, perm], v[:, perm], mesh=mesh, causal=causal, layout=layout,
-            **kwargs,
-        )  # fmt: skip
-        return o[:, inv]
-
-    return f
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_attention_matches_one_device(getkey, layout, causal):
     mesh = mesh_of(context=4)
     q, k, v, ct = _qkv(getkey, 2, 40, 4, 2, 16, jnp.float32)  # GQA, 10 positions a device
     mask = masks.Causal() if causal else None
-    f = _ring(mesh, layout, causal, implementation="xla")
+    f = ring(mesh, layout, causal, implementation="xla")
     check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
 
 
 def test_ring_attention_batch_and_context_axes(getkey):
     mesh = mesh_of(data=2, context=4)
     q, k, v, ct = _qkv(getkey, 2, 32, 2, 2, 8, jnp.float32)
-    f = _ring(mesh, "zigzag", True, batch_axis="data", implementation="xla")
+    f = ring(mesh, "zigzag", True, batch_axis="data", implementation="xla")
     check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
 
 
@@ -79,14 +58,14 @@ def test_ring_attention_on_our_kernels(getkey, impl, config, dtype):
     slices are off the kernels' tiles (24 positions a device)."""
     mesh = mesh_of(context=2)
     q, k, v, ct = _qkv(getkey, 1, 48, 2, 1, 16, dtype)
-    f = _ring(mesh, "zigzag", True, implementation=impl, config=config)
+    f = ring(mesh, "zigzag", True, implementation=impl, config=config)
     check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
 
 
 def test_ring_attention_refuses_cudnn_by_name(getkey):
     q, k, v, _ = _qkv(getkey, 1, 16, 2, 2, 8, jnp.bfloat16)
     with pytest.raises(UnsupportedError, match="forward-with-lse"):
-        _ring(mesh_of(context=2), "contiguous", False, implementation="cudnn")(q, k, v)
+        ring(mesh_of(context=2), "contiguous", False, implementation="cudnn")(q, k, v)
 
 
 def test_zigzag_permutation_balances_chunks():
