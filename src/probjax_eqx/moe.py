@@ -89,6 +89,9 @@ class TritonGroupedMatmul:
     def __call__(self, lhs, rhs, group_sizes, *, config):
         return triton_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
 
+    def kernels(self, config, groups: int) -> triton_gmm.PaddedKernels:
+        return triton_gmm.kernels(config, groups)
+
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGroupedMatmul:
@@ -111,6 +114,9 @@ class MosaicGroupedMatmul:
 
     def __call__(self, lhs, rhs, group_sizes, *, config):
         return mosaic_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
+
+    def kernels(self, config, groups: int) -> triton_gmm.PaddedKernels:
+        return mosaic_gmm.kernels(config, groups)
 
 
 _IMPLEMENTATIONS = {
@@ -379,29 +385,56 @@ class MoE(eqx.Module):
 
     def experts(self, x, experts, weights):
         """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
-        tokens, d_model = x.shape
         dtype = jnp.dtype(self.compute_dtype or x.dtype)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
         group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
-        w = lambda p: p.astype(dtype)  # noqa: E731
+        sorted_weights = weights.reshape(-1)[order]
+        choice = self.explain(x)  # validates the call and fills the kernel's config
         if self.dispatch_mode == "fused_gsum":
-            return self._fused_gsum(
-                x.astype(dtype), token_of, weights.reshape(-1)[order], group_sizes
-            )
-        xs = x.astype(dtype)[token_of]
+            return self._fused_gsum(x.astype(dtype), token_of, sorted_weights, group_sizes, choice)
+        if choice.kernel == "xla":
+            return self._sorted(x.astype(dtype), token_of, sorted_weights, group_sizes)
+        kernels = _IMPLEMENTATIONS[choice.kernel].kernels(choice.config, self.num_experts)
+        return self._padded(x.astype(dtype), token_of, sorted_weights, group_sizes, kernels)
+
+    def _sorted(self, x, token_of, sorted_weights, group_sizes):
+        """The top-k copies sorted by expert, through `grouped_matmul` (the reference)."""
         d_ff = self.w_gate.shape[2]
+        w = lambda p: p.astype(x.dtype)  # noqa: E731
+        xs = x[token_of]
         # Gate and up projections as one grouped matmul: one pass over the copies.
         h13 = self._gmm(xs, w(jnp.concatenate([self.w_gate, self.w_up], axis=2)), group_sizes)
         h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff:]
         ys = self._gmm(h, w(self.w_down), group_sizes).astype(jnp.float32)
-        ys = ys * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
+        ys = ys * sorted_weights[:, None]
+        return jnp.zeros(x.shape, jnp.float32).at[token_of].add(ys)
 
-    def _fused_gsum(self, x, token_of, sorted_weights, group_sizes):
+    def _padded(self, x, token_of, sorted_weights, group_sizes, kernels):
+        """The sorted dispatch with the copies gathered once into the kernels' padded layout.
+
+        Both grouped matmuls and their gradients then run on that layout: no re-padding
+        and un-padding around each matmul, forward or backward.
+        """
+        (tokens, d_model), d_ff = x.shape, self.w_gate.shape[2]
+        lay = triton_gmm.layout(group_sizes, token_of.shape[0], kernels.config.block_m)
+        rows = lay.tokens(token_of, tokens)  # padding rows read the spare zero row
+        w13 = jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(x.dtype)
+        w13_p, k_pad, _ = triton_gmm.padded_rhs(w13, kernels.config)
+        xs_p = triton_gmm.with_spare_row(x, k_pad)[rows]
+        h13 = triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels)
+        h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff : 2 * d_ff]
+        w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
+        h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
+        ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
+        scale = lay.to_padded(sorted_weights[:, None])[:, 0]  # 0 on padding rows
+        ys = ys.astype(jnp.float32) * scale[:, None]
+        return jnp.zeros((tokens + 1, d_model), jnp.float32).at[rows].add(ys)[:tokens]
+
+    def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, d_ff = x.shape[0], self.w_gate.shape[2]
-        config = self.explain(x).config  # validates the call and fills the Triton config
+        config = choice.config
         lay = triton_gmm.layout(group_sizes, token_of.shape[0], config.block_m)
         rows = lay.tokens(token_of, tokens)
         scale = lay.to_padded(sorted_weights[:, None])[:, 0]

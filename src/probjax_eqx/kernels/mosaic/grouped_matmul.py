@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
-from probjax_eqx.kernels.triton.grouped_matmul import Layout, padded_grouped_matmul
+from probjax_eqx.kernels.triton.grouped_matmul import Layout, PaddedKernels, padded_grouped_matmul
 
 _TILE = 64  # wgmma rows per warpgroup; 64 16-bit elements per 128-byte swizzled row
 
@@ -86,11 +86,14 @@ def _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, shape):
     return pl.run_scoped(accumulate, ACC(shape, jnp.float32))
 
 
-def _gmm_kernel(group_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg):
+def _gmm_kernel(
+    group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg
+):
     t, j = lax.axis_index("m"), lax.axis_index("n")
     g = group_ref[t]
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
-    steps = lhs_ref.shape[1] // bk
+    # Tiles past the groups hold no rows: no K loop (zeros are stored).
+    steps = jnp.where(live_ref[t] > 0, lhs_ref.shape[1] // bk, 0)
 
     def views(n):
         ks = pl.ds(n * bk, bk)
@@ -120,7 +123,7 @@ def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
         grid_names=("m", "n"),
         compiler_params=COMPILER_PARAMS,
         interpret=InterpretGPUParams() if cfg.interpret else None,
-    )(lay.tile_group, lhs_p, rhs_p)
+    )(lay.tile_group, lay.tile_live, lhs_p, rhs_p)
 
 
 def _tgmm_kernel(first_ref, end_ref, lhst_ref, dout_ref, out_ref, a_smem, b_smem, o_smem, bars,
@@ -160,15 +163,16 @@ def _tgmm(lhs_t, dout_p, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfi
     )(*lay.group_tiles, lhs_t, dout_p)
 
 
+def kernels(config: MosaicGroupedMatmulConfig, groups: int) -> PaddedKernels:
+    """The Mosaic grouped matmuls for `groups` groups (the output takes the lhs dtype)."""
+    return PaddedKernels(
+        config,
+        matmul=lambda a, r, lay: _gmm(a, r, lay, config, a.dtype),
+        matmul_t=lambda d, r, lay: _gmm(d, jnp.swapaxes(r, 1, 2), lay, config, d.dtype),
+        transposed=lambda a, d, lay: _tgmm(a.T, d, lay, groups, config),
+    )
+
+
 def grouped_matmul(lhs, rhs, group_sizes, *, config: MosaicGroupedMatmulConfig):
     """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
-    cfg, groups, dtype = config, rhs.shape[0], lhs.dtype
-    return padded_grouped_matmul(
-        lhs,
-        rhs,
-        group_sizes,
-        cfg,
-        matmul=lambda a, r, lay: _gmm(a, r, lay, cfg, dtype),
-        matmul_t=lambda d, r, lay: _gmm(d, jnp.swapaxes(r, 1, 2), lay, cfg, dtype),
-        transposed=lambda a, d, lay: _tgmm(a.T, d, lay, groups, cfg),
-    )
+    return padded_grouped_matmul(lhs, rhs, group_sizes, kernels(config, rhs.shape[0]))

@@ -13,6 +13,8 @@ K / N off the tiles are therefore exact. Three kernels, one custom VJP:
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -62,22 +64,26 @@ class Layout(eqx.Module):
     """
 
     dest: jax.Array  # [M] padded row of each row (`rows`, out of bounds, past the groups)
+    src: jax.Array  # [rows] sorted row held by each padded row (`M`, out of bounds: none)
     tile_group: jax.Array  # [tiles] group of each row tile (0 for tiles past the end)
     tile_live: jax.Array  # [tiles] 1 where a tile holds rows (worst-case buffers: few do)
     row_valid: jax.Array  # [rows] whether the padded row holds a real row
     group_tiles: tuple[jax.Array, jax.Array]  # per group: [first, end) row tiles
     rows: int = eqx.field(static=True)  # padded row count
 
+    # Both directions are gathers (`src` one way, `dest` the other): a scatter of the
+    # rows into the padded buffer measured 5x slower than the gather back on the H200.
     def to_padded(self, x, cols: int | None = None):
         """`[M, c]` rows -> `[rows, cols]` in the padded layout (zeros elsewhere)."""
         cols = x.shape[1] if cols is None else cols
-        buf = jnp.zeros((self.rows, cols) + x.shape[2:], x.dtype)
-        return buf.at[self.dest, : x.shape[1]].set(x, mode="drop")
+        if cols != x.shape[1]:
+            x = jnp.pad(x, ((0, 0), (0, cols - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+        return jnp.take(x, self.src, axis=0, mode="fill", fill_value=0)
 
     def tokens(self, token_of_row, n_tokens: int):
         """`[rows]` token of each padded row; padding rows get the spare row `n_tokens`."""
-        full = jnp.full((self.rows,), n_tokens, jnp.int32)
-        return full.at[self.dest].set(token_of_row.astype(jnp.int32), mode="drop")
+        rows = token_of_row.astype(jnp.int32)
+        return jnp.take(rows, self.src, axis=0, mode="fill", fill_value=n_tokens)
 
     def from_padded(self, x, cols: int):
         """The rows of `x` in sorted order (zeros for rows past the groups)."""
@@ -91,6 +97,7 @@ def layout(group_sizes, m: int, block: int) -> Layout:
     starts = jnp.cumsum(sizes) - sizes
     padded = -(-sizes // block) * block
     padded_starts = jnp.cumsum(padded) - padded
+    padded_ends = padded_starts + padded
     rows = _round_up(m + groups * (block - 1), block) if m else block
     row = jnp.arange(m, dtype=jnp.int32)
     group_of_row = jnp.clip(jnp.searchsorted(starts + sizes, row, side="right"), 0, groups - 1)
@@ -99,13 +106,16 @@ def layout(group_sizes, m: int, block: int) -> Layout:
         row < jnp.sum(sizes), padded_starts[group_of_row] + row - starts[group_of_row], rows
     )
     tile_start = jnp.arange(rows // block, dtype=jnp.int32) * block
-    padded_ends = padded_starts + padded
     tile_group = jnp.searchsorted(padded_ends, tile_start, side="right").astype(jnp.int32)
-    tile_group = jnp.where(tile_group < groups, tile_group, 0)
-    valid = jnp.zeros((rows,), bool).at[dest].set(True, mode="drop")
+    live = tile_group < groups
+    tile_group = jnp.where(live, tile_group, 0)
+    group_of_padded = jnp.repeat(tile_group, block, total_repeat_length=rows)
+    offset = jnp.arange(rows, dtype=jnp.int32) - padded_starts[group_of_padded]
+    valid = jnp.repeat(live, block, total_repeat_length=rows) & (offset < sizes[group_of_padded])
+    src = jnp.where(valid, starts[group_of_padded] + offset, m)
     first, end = padded_starts // block, padded_ends // block
-    live = (tile_start < jnp.sum(padded)).astype(jnp.int32)  # int32 like tile_group
-    return Layout(dest, tile_group, live, valid, (first, end), rows)
+    live = live.astype(jnp.int32)  # int32 like tile_group
+    return Layout(dest, src, tile_group, live, valid, (first, end), rows)
 
 
 def _params(cfg):
@@ -130,7 +140,9 @@ def _matmul_kernel(*refs, block_k, transpose_rhs, gather, scatter):
     bn = rhs_ref.shape[1] if transpose_rhs else rhs_ref.shape[2]
     acc = jnp.zeros((valid.shape[0], bn), jnp.float32)
     # Tiles past the groups hold no rows: skip their K loop (zeros are stored).
-    steps = jnp.where(live_ref[()] > 0, k_total // block_k, 0)
+    # (A product, not `jnp.where`: the select of two literals lowers to a loop bound of
+    # another integer type than the lower bound, which Triton rejects.)
+    steps = live_ref[()] * (k_total // block_k)
     acc = jax.lax.fori_loop(0, steps, body, acc)
     acc = jnp.where(valid[:, None], acc * scale_ref[...][:, None], 0.0)
     if scatter:  # each row adds into its token's row (padding rows: the spare last row)
@@ -272,53 +284,75 @@ def padded_rhs(rhs, cfg):
     return jnp.pad(rhs, ((0, 0), (0, k_pad - k), (0, n_pad - n))), k_pad, n_pad
 
 
-def _with_spare_row(x, cols):
+def with_spare_row(x, cols):
     """`[n, c]` -> `[n + 1, cols]`: zero columns and the zero row padding rows gather."""
     return jnp.pad(x, ((0, 1), (0, cols - x.shape[1])))
 
 
-def padded_grouped_matmul(lhs, rhs, group_sizes, cfg, *, matmul, matmul_t, transposed):
-    """`[M, K] x [G, K, N] -> [M, N]` with a custom VJP, on padded-layout kernels.
+@dataclasses.dataclass(frozen=True)
+class PaddedKernels:
+    """One kernel family's grouped matmuls on the padded layout `lay`.
 
-    The kernel family supplies, on the padded layout `lay`: `matmul(lhs_p, rhs_p, lay)`
-    (`[rows, N]`), `matmul_t(dout_p, rhs_p, lay)` (`dout @ rhs[g]^T`, `[rows, K]`) and
-    `transposed(lhs_p, dout_p, lay)` (`lhs_g^T @ dout_g`, float32 `[G, K, N]`).
+    Attributes:
+        config: its config (`block_m` is the layout's alignment; see `padded_rhs`).
+        matmul: `(lhs_p, rhs_p, lay) -> [rows, N]`.
+        matmul_t: `(dout_p, rhs_p, lay) -> [rows, K]`, `dout @ rhs[g]^T`.
+        transposed: `(lhs_p, dout_p, lay) -> float32 [G, K, N]`, `lhs_g^T @ dout_g`.
     """
-    m, k = lhs.shape
-    n = rhs.shape[2]
-    lay = layout(group_sizes, m, cfg.block_m)
-    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)
+
+    config: Any
+    matmul: Callable
+    matmul_t: Callable
+    transposed: Callable
+
+
+def padded_matmul(lhs_p, rhs_p, lay: Layout, kernels: PaddedKernels):
+    """`[rows, K] x [G, K, N] -> [rows, N]` on the padded layout, with a custom VJP.
+
+    `lhs_p` and `rhs_p` are padded already (`Layout.to_padded`, `padded_rhs`): a caller
+    that keeps its activations in the padded layout (the MoE) pays no copies per matmul.
+    """
 
     @jax.custom_vjp
-    def run(lhs, rhs_p, lay):
-        return lay.from_padded(matmul(lay.to_padded(lhs, k_pad), rhs_p, lay), n)
+    def run(lhs_p, rhs_p, lay):
+        return kernels.matmul(lhs_p, rhs_p, lay)
 
-    def run_fwd(lhs, rhs_p, lay):
-        return run(lhs, rhs_p, lay), (lhs, rhs_p, lay)
+    def run_fwd(lhs_p, rhs_p, lay):
+        return run(lhs_p, rhs_p, lay), (lhs_p, rhs_p, lay)
 
-    def run_bwd(residuals, dout):
-        lhs, rhs_p, lay = residuals
-        dout_p = lay.to_padded(dout.astype(lhs.dtype), n_pad)
-        dlhs = lay.from_padded(matmul_t(dout_p, rhs_p, lay), k)
-        drhs = transposed(lay.to_padded(lhs, k_pad), dout_p, lay)
-        return dlhs.astype(lhs.dtype), drhs.astype(rhs_p.dtype), None
+    def run_bwd(residuals, dout_p):
+        lhs_p, rhs_p, lay = residuals
+        dout_p = dout_p.astype(lhs_p.dtype)
+        dlhs = kernels.matmul_t(dout_p, rhs_p, lay)
+        drhs = kernels.transposed(lhs_p, dout_p, lay)
+        return dlhs.astype(lhs_p.dtype), drhs.astype(rhs_p.dtype), None
 
     run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs_p, lay)
+    return run(lhs_p, rhs_p, lay)
+
+
+def padded_grouped_matmul(lhs, rhs, group_sizes, kernels: PaddedKernels):
+    """`[M, K] x [G, K, N] -> [M, N]` for sorted rows, through the padded layout."""
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    lay = layout(group_sizes, m, kernels.config.block_m)
+    rhs_p, k_pad, _ = padded_rhs(rhs, kernels.config)
+    return lay.from_padded(padded_matmul(lay.to_padded(lhs, k_pad), rhs_p, lay, kernels), n)
+
+
+def kernels(config: TritonGroupedMatmulConfig, groups: int) -> PaddedKernels:
+    """The Triton grouped matmuls for `groups` groups."""
+    return PaddedKernels(
+        config,
+        matmul=lambda a, r, lay: _matmul(a, r, lay, config, transpose_rhs=False),
+        matmul_t=lambda d, r, lay: _matmul(d, r, lay, config, transpose_rhs=True),
+        transposed=lambda a, d, lay: _transposed_matmul(a, d, lay, groups, config),
+    )
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
     """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
-    cfg, groups = config, rhs.shape[0]
-    return padded_grouped_matmul(
-        lhs,
-        rhs,
-        group_sizes,
-        cfg,
-        matmul=lambda a, r, lay: _matmul(a, r, lay, cfg, transpose_rhs=False),
-        matmul_t=lambda d, r, lay: _matmul(d, r, lay, cfg, transpose_rhs=True),
-        transposed=lambda a, d, lay: _transposed_matmul(a, d, lay, groups, cfg),
-    )
+    return padded_grouped_matmul(lhs, rhs, group_sizes, kernels(config, rhs.shape[0]))
 
 
 def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulConfig):
@@ -348,7 +382,7 @@ def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulCon
         return dx.astype(x_p.dtype), dw.astype(rhs_p.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
-    return run(_with_spare_row(x, k_pad), rhs_p, lay, tokens)[:, :n]
+    return run(with_spare_row(x, k_pad), rhs_p, lay, tokens)[:, :n]
 
 
 def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config):
@@ -373,7 +407,7 @@ def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config)
 
     def run_bwd(residuals, dout):
         h_p, rhs_p, scale, lay, tokens = residuals
-        dout = _with_spare_row(dout.astype(h_p.dtype), dout.shape[1])
+        dout = with_spare_row(dout.astype(h_p.dtype), dout.shape[1])
         # g[r] = dout[tokens[r]] @ rhs[g]^T, gathered inside the kernel.
         g = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, gather=True)
         dh = (g.astype(jnp.float32) * scale[:, None]).astype(h_p.dtype)
