@@ -56,23 +56,32 @@ def time_fn(
     warmup: int = 3,
     repeats: int = 20,
     budget_s: float = 10.0,
+    min_sample_ms: float = 2.0,
 ) -> float:
-    """Median wall time in ms of `sync(fn())` after `warmup` untimed calls.
+    """Median wall time in ms of one `fn()` after `warmup` untimed calls.
 
-    Slow cases (a reference at a large size) take fewer samples, at least 5, so that one
-    case spends about `budget_s` seconds.
+    A sample is `sync` after `inner` back-to-back calls, divided by `inner`, with `inner`
+    chosen so that a sample lasts about `min_sample_ms`: launches queue asynchronously,
+    so a sub-millisecond kernel is timed without the host's dispatch gap (the same for
+    JAX and torch). Slow cases (a reference at a large size) take fewer samples, at
+    least 5, so that one case spends about `budget_s` seconds.
     """
+    last_ms = 0.0
     for i in range(warmup):
         start = time.perf_counter()
         sync(fn())
-        if i and time.perf_counter() - start > budget_s / 10:
+        last_ms = (time.perf_counter() - start) * 1e3
+        if i and last_ms > budget_s * 100:
             break  # the first call compiled; a slow case needs no more warm-up
+    inner = max(1, min(100, int(min_sample_ms / max(last_ms, 1e-3))))
     samples: list[float] = []
     while len(samples) < repeats:
         start = time.perf_counter()
+        for _ in range(inner - 1):
+            fn()
         sync(fn())
-        samples.append((time.perf_counter() - start) * 1e3)
-        if len(samples) >= 5 and sum(samples) > budget_s * 1e3:
+        samples.append((time.perf_counter() - start) * 1e3 / inner)
+        if len(samples) >= 5 and sum(samples) * inner > budget_s * 1e3:
             break
     return statistics.median(samples)
 
