@@ -89,9 +89,6 @@ class TritonGroupedMatmul:
     def __call__(self, lhs, rhs, group_sizes, *, config):
         return triton_gmm.grouped_matmul(lhs, rhs, group_sizes, config=config)
 
-    def kernels(self, config, groups: int) -> triton_gmm.PaddedKernels:
-        return triton_gmm.kernels(config, groups)
-
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGroupedMatmul:
@@ -394,13 +391,14 @@ class MoE(eqx.Module):
         choice = self.explain(x)  # validates the call and fills the kernel's config
         if self.dispatch_mode == "fused_gsum":
             return self._fused_gsum(x.astype(dtype), token_of, sorted_weights, group_sizes, choice)
-        if choice.kernel == "xla":
-            return self._sorted(x.astype(dtype), token_of, sorted_weights, group_sizes)
-        kernels = _IMPLEMENTATIONS[choice.kernel].kernels(choice.config, self.num_experts)
-        return self._padded(x.astype(dtype), token_of, sorted_weights, group_sizes, kernels)
+        impl = _IMPLEMENTATIONS[choice.kernel]
+        if isinstance(impl, MosaicGroupedMatmul):  # its kernels run on the padded layout
+            kernels = impl.kernels(choice.config, self.num_experts)
+            return self._padded(x.astype(dtype), token_of, sorted_weights, group_sizes, kernels)
+        return self._sorted(x.astype(dtype), token_of, sorted_weights, group_sizes)
 
     def _sorted(self, x, token_of, sorted_weights, group_sizes):
-        """The top-k copies sorted by expert, through `grouped_matmul` (the reference)."""
+        """The top-k copies sorted by expert, through `grouped_matmul` (XLA, Triton in place)."""
         d_ff = self.w_gate.shape[2]
         w = lambda p: p.astype(x.dtype)  # noqa: E731
         xs = x[token_of]

@@ -1,14 +1,20 @@
 """Pallas Triton grouped matmul: `out[rows of group g] = lhs[rows of g] @ rhs[g]`.
 
-Rows arrive sorted by group with `group_sizes` rows each. The wrapper moves every
-group's rows to a start that is a multiple of `block_m` (at most `groups * (block_m - 1)`
-padding rows, zero), so each row tile belongs to one group and the kernels are plain
-tiled matmuls that read their group's weight slice. Ragged counts, empty groups and
-K / N off the tiles are therefore exact. Three kernels, one custom VJP:
+Rows arrive sorted by group with `group_sizes` rows each. Two kernel families:
 
-- forward and dLHS (`dout @ rhs[g]^T`): grid (row tile, column tile), K loop;
-- dRHS, the transposed grouped matmul (`lhs_g^T @ dout_g` for every group): grid
-  (group, K tile, N tile), looping over that group's row tiles only.
+**In place** (`grouped_matmul`, the `"triton"` implementation): the kernels read and
+write the sorted rows where they are, so no copy of the rows is ever made. A row tile
+that straddles groups runs its K loop once per group it touches and keeps each group's
+rows of the result (at most `groups - 1` extra tiles); loads past the rows, K or N are
+masked. Three kernels, one custom VJP:
+
+- forward and dLHS (`dout @ rhs[g]^T`): grid (row tile, column tile), K loop per group;
+- dRHS (`lhs_g^T @ dout_g` for every group): grid (group, K tile, N tile), looping over
+  that group's rows from its first row, the last tile masked at its end.
+
+**Padded layout** (`Layout`, for the MoE's fused gather / scatter and the Mosaic
+kernels): every group's rows start at a multiple of `block_m` (at most
+`groups * (block_m - 1)` padding rows, zero), so each row tile belongs to one group.
 """
 
 import dataclasses
@@ -340,19 +346,126 @@ def padded_grouped_matmul(lhs, rhs, group_sizes, kernels: PaddedKernels):
     return lay.from_padded(padded_matmul(lay.to_padded(lhs, k_pad), rhs_p, lay, kernels), n)
 
 
-def kernels(config: TritonGroupedMatmulConfig, groups: int) -> PaddedKernels:
-    """The Triton grouped matmuls for `groups` groups."""
-    return PaddedKernels(
-        config,
-        matmul=lambda a, r, lay: _matmul(a, r, lay, config, transpose_rhs=False),
-        matmul_t=lambda d, r, lay: _matmul(d, r, lay, config, transpose_rhs=True),
-        transposed=lambda a, d, lay: _transposed_matmul(a, d, lay, groups, config),
-    )
+def _group_ranges(group_sizes, m: int, block_m: int):
+    """Group `[starts, ends)` and, per row tile, the first and last group it touches."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = jnp.arange(-(-m // block_m), dtype=jnp.int32) * block_m
+    last = jnp.minimum(first + block_m, jnp.minimum(m, ends[-1])) - 1
+    lo = jnp.searchsorted(ends, first, side="right").astype(jnp.int32)
+    hi = jnp.searchsorted(ends, last, side="right").astype(jnp.int32)
+    hi = jnp.where(last >= first, hi, lo - 1)  # a tile past the groups: no group
+    return starts, ends, lo, hi
+
+
+def _inplace_kernel(lo_ref, hi_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, *,
+                    cfg, transpose_rhs):  # fmt: skip
+    t, j = pl.program_id(0), pl.program_id(1)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    m, contract = lhs_ref.shape
+    rows = t * bm + jnp.arange(bm, dtype=jnp.int32)
+    k_steps = -(-contract // bk)
+
+    def k_step(step, acc, g):
+        ks = step * bk + jnp.arange(bk, dtype=jnp.int32)
+        ok = (rows < m)[:, None] & (ks < contract)[None, :]
+        a = plt.load(lhs_ref.at[pl.ds(t * bm, bm), pl.ds(step * bk, bk)], mask=ok, other=0)
+        if transpose_rhs:
+            return acc + plt.dot(a, rhs_ref[g, pl.ds(j * bn, bn), pl.ds(step * bk, bk)],
+                                 trans_b=True)  # fmt: skip
+        return acc + plt.dot(a, rhs_ref[g, pl.ds(step * bk, bk), pl.ds(j * bn, bn)])
+
+    def group(g, out):
+        start, end = starts_ref[g], ends_ref[g]
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        acc = jax.lax.fori_loop(0, k_steps, functools.partial(k_step, g=g), zero)
+        inside = (rows >= start) & (rows < end)
+        return jnp.where(inside[:, None], acc, out)
+
+    out = jax.lax.fori_loop(lo_ref[()], hi_ref[()] + 1, group, jnp.zeros((bm, bn), jnp.float32))
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    ok = (rows < m)[:, None] & (cols < out_ref.shape[1])[None, :]
+    plt.store(out_ref.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)], out.astype(out_ref.dtype),
+              mask=ok)  # fmt: skip
+
+
+def _inplace_matmul(lhs, rhs_p, ranges, cfg, *, n: int, transpose_rhs: bool):
+    """`[m, C] x [G, C, n] -> [m, n]` (`rhs_p` `[G, n, C]` transposed) on the sorted rows."""
+    m = lhs.shape[0]
+    starts, ends, lo, hi = ranges
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t, j: (0,) * x.ndim)  # noqa: E731
+    per_tile = pl.BlockSpec((None,), lambda t, j: (t,))
+    return pl.pallas_call(
+        functools.partial(_inplace_kernel, cfg=cfg, transpose_rhs=transpose_rhs),
+        grid=(lo.shape[0], -(-n // cfg.block_n)),
+        in_specs=[per_tile, per_tile, whole(starts), whole(ends), whole(lhs), whole(rhs_p)],
+        out_specs=pl.BlockSpec((m, n), lambda t, j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        compiler_params=_params(cfg),
+        interpret=cfg.interpret,
+        name="probjax_grouped_matmul_inplace_triton",
+    )(lo, hi, starts, ends, lhs, rhs_p)
+
+
+def _inplace_tgmm_kernel(starts_ref, ends_ref, a_ref, b_ref, out_ref, *, cfg):
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bk, bn = cfg.block_m, cfg.block_k, cfg.block_n
+    start, end = starts_ref[g], ends_ref[g]
+    ks = i * bk + jnp.arange(bk, dtype=jnp.int32)
+    ns = j * bn + jnp.arange(bn, dtype=jnp.int32)
+
+    def body(step, acc):
+        first = start + step * bm
+        ok = (first + jnp.arange(bm, dtype=jnp.int32) < end)[:, None]
+        a_ok, b_ok = ok & (ks < a_ref.shape[1])[None, :], ok & (ns < b_ref.shape[1])[None, :]
+        a = plt.load(a_ref.at[pl.ds(first, bm), pl.ds(i * bk, bk)], mask=a_ok, other=0)
+        b = plt.load(b_ref.at[pl.ds(first, bm), pl.ds(j * bn, bn)], mask=b_ok, other=0)
+        return acc + plt.dot(a, b, trans_a=True)
+
+    steps = -(-(end - start) // bm)
+    out_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros(out_ref.shape, jnp.float32))
+
+
+def _inplace_transposed(a, b, ranges, groups: int, k_pad: int, n_pad: int, cfg):
+    """float32 `[G, k_pad, n_pad]`, `out[g] = a_g^T @ b_g` over the sorted rows of group g."""
+    starts, ends, _, _ = ranges
+    whole = lambda x: pl.BlockSpec(x.shape, lambda g, i, j: (0,) * x.ndim)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_inplace_tgmm_kernel, cfg=cfg),
+        grid=(groups, k_pad // cfg.block_k, n_pad // cfg.block_n),
+        in_specs=[whole(starts), whole(ends), whole(a), whole(b)],
+        out_specs=pl.BlockSpec((None, cfg.block_k, cfg.block_n), lambda g, i, j: (g, i, j)),
+        out_shape=jax.ShapeDtypeStruct((groups, k_pad, n_pad), jnp.float32),
+        compiler_params=_params(cfg),
+        interpret=cfg.interpret,
+        name="probjax_transposed_grouped_matmul_inplace_triton",
+    )(starts, ends, a, b)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, config: TritonGroupedMatmulConfig):
-    """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group (see module docstring)."""
-    return padded_grouped_matmul(lhs, rhs, group_sizes, kernels(config, rhs.shape[0]))
+    """`[M, K] x [G, K, N] -> [M, N]` for rows sorted by group, in place (module docstring)."""
+    cfg = config
+    groups, k, n = rhs.shape
+    rhs_p, k_pad, n_pad = padded_rhs(rhs, cfg)  # the weights are small: pad them
+
+    @jax.custom_vjp
+    def run(lhs, rhs_p, ranges):
+        return _inplace_matmul(lhs, rhs_p, ranges, cfg, n=n, transpose_rhs=False)
+
+    def run_fwd(lhs, rhs_p, ranges):
+        return run(lhs, rhs_p, ranges), (lhs, rhs_p, ranges)
+
+    def run_bwd(residuals, dout):
+        lhs, rhs_p, ranges = residuals
+        dout = dout.astype(lhs.dtype)
+        dlhs = _inplace_matmul(dout, rhs_p, ranges, cfg, n=k, transpose_rhs=True)
+        drhs = _inplace_transposed(lhs, dout, ranges, groups, k_pad, n_pad, cfg)
+        return dlhs, drhs.astype(rhs_p.dtype), None
+
+    run.defvjp(run_fwd, run_bwd)
+    ranges = _group_ranges(group_sizes, lhs.shape[0], cfg.block_m)
+    return run(lhs, rhs_p, ranges)
 
 
 def gather_matmul(x, rhs, lay: Layout, tokens, *, config: TritonGroupedMatmulConfig):
