@@ -294,12 +294,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
         s = plt.dot(q, k_ref[tile, :], trans_b=True)
-        s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        if mod is None:
+            # Scale after the row max and inside `s * c - m` (one FMA an element): the
+            # softmax's ALU work competes with the MMAs in this kernel.
+            c = st.scale * LOG2E
+            if masked:
+                s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+        else:
+            s, _ = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
+            c = 1.0
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # Only a masked tile can leave a row without a finite score.
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
+        p = jnp.exp2(s * c - m_safe[:, None])
         v = v_ref[tile, :]
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
         return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
