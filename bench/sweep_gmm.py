@@ -21,13 +21,14 @@ from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
 TRITON = [  # block_m, block_n, block_k, num_warps, num_stages
     (64, 64, 32, 4, 2),
     (64, 128, 64, 4, 3),
+    (128, 128, 32, 4, 4),
     (128, 128, 64, 4, 3),
     (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3),
     (128, 128, 128, 8, 2),
     (64, 256, 64, 4, 3),
 ]
-MOSAIC = [(128, 64, 2), (256, 64, 2), (128, 64, 3), (256, 64, 3), (128, 128, 2)]  # n, k, stages
+MOSAIC = [(128, 64, 2), (256, 64, 2)]  # n, k, stages
 
 
 def main():
