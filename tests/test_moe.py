@@ -128,8 +128,13 @@ def test_dispatch_resolution_on_simulated_sm90():
     choice = explain_grouped_matmul(*f32, implementation=pallas)
     assert choice.kernel == "triton"
     assert "16-bit operands" in dict(choice.rejected)["mosaic"]
+    # "auto" is the fused gather / scatter on GPUs (Triton kernels), sorted on the CPU.
+    assert moe_module.auto_dispatch(H200) == "fused_gsum"
     auto = moe_module.resolve_dispatch("auto", device=H200, environ={})
-    assert auto.priority == ("mosaic", "triton", "xla")
+    assert auto.pinned and auto.priority == ("triton",)
+    assert moe_module.auto_dispatch(DeviceInfo("cpu", "cpu", None)) == "sorted"
+    sorted_gmm = moe_module.resolve_dispatch("sorted", device=H200, environ={})
+    assert sorted_gmm.priority == ("triton", "mosaic", "xla")  # measured: in-place Triton first
 
 
 def dense_moe(moe: MoE, x):

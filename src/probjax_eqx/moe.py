@@ -12,9 +12,9 @@ weights. The grouped matmul is its own op with a backend registry:
 | `"triton"`     | our Pallas Triton grouped matmul, dLHS and transposed dRHS      |
 | `"mosaic"`     | our Pallas Mosaic GPU (wgmma + TMA) kernels, 16-bit, sm_90      |
 
-`dispatch=` picks the mode: `"sorted"`/`"auto"` (the registry's grouped matmul for the
-device), `"xla"`, `"triton"`, `"mosaic"`, `"pallas"` (Mosaic for 16-bit compute on sm_90,
-else Triton), or
+`dispatch=` picks the mode: `"auto"` (`AUTO_DISPATCH`: `"fused_gsum"` on GPUs, else
+`"sorted"`), `"sorted"` (the registry's grouped matmul for the device), `"xla"`,
+`"triton"`, `"mosaic"`, `"pallas"` (Mosaic for 16-bit compute on sm_90, else Triton), or
 `"fused_gsum"`, which never forms the `N * K x d_model` copies: the first grouped matmul
 gathers token rows inside the kernel and the second adds each row, scaled by its router
 weight, into its token's output (atomics), in the backward as in the forward.
@@ -29,7 +29,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from probjax_eqx.backends import Backend, Choice, DeviceInfo, register_op, resolve
+from probjax_eqx.backends import (
+    Backend,
+    Choice,
+    DeviceInfo,
+    detect_device,
+    register_op,
+    resolve,
+)
 from probjax_eqx.kernels import _flash
 from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
@@ -191,6 +198,20 @@ _DISPATCH_TO_GMM = {
 }
 
 
+# What `dispatch="auto"` runs, per platform: on GPUs the fused gather / scatter (no top-k
+# copies; the fastest train step measured on the H200 at 16k tokens: 3.06 ms vs 3.71
+# mosaic, 4.13 triton), elsewhere the sorted dispatch on the registry's grouped matmul.
+AUTO_DISPATCH = {"gpu": "fused_gsum", "generic": "sorted"}
+# Explicit priority of `"pallas"` on sm_90: Mosaic for 16-bit compute, else Triton.
+_PALLAS_PRIORITY = {"sm_90": ("mosaic", "triton"), "generic": ("triton",)}
+
+
+def auto_dispatch(device: DeviceInfo | None = None) -> str:
+    """The dispatch mode `"auto"` stands for on `device` (the current one by default)."""
+    device = detect_device() if device is None else device
+    return AUTO_DISPATCH["gpu" if device.is_gpu else "generic"]
+
+
 def resolve_dispatch(
     dispatch: str = "auto", *, device: DeviceInfo | None = None, environ=None
 ) -> Backend:
@@ -199,11 +220,14 @@ def resolve_dispatch(
         raise ValueError(
             f"unknown dispatch={dispatch!r}; expected one of {sorted(_DISPATCH_TO_GMM)}"
         )
+    if dispatch == "auto":
+        dispatch = auto_dispatch(device)
     requested = _DISPATCH_TO_GMM[dispatch]
     if requested != "pallas":
         return resolve("grouped_matmul", requested, device=device, environ=environ)
     auto = resolve("grouped_matmul", None, device=device, environ=environ)
-    return dataclasses.replace(auto, priority=tuple(n for n in auto.priority if n != "xla"))
+    priority = _PALLAS_PRIORITY.get(auto.device.registry_key, _PALLAS_PRIORITY["generic"])
+    return dataclasses.replace(auto, priority=tuple(n for n in priority if n in auto.priority))
 
 
 class MoEAux(eqx.Module):
@@ -342,7 +366,7 @@ class MoE(eqx.Module):
         self.normalize_weights = normalize_weights
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self.dispatch = resolve_dispatch(dispatch)
-        self.dispatch_mode = dispatch
+        self.dispatch_mode = auto_dispatch() if dispatch == "auto" else dispatch
         self.dispatch_config = dispatch_config
 
     @property
