@@ -22,7 +22,7 @@ DEFAULTS = {
     "attention": "probjax auto",
     "decode": "probjax auto",
     "kv_lengths": "probjax auto",
-    "grouped_matmul": "grouped_matmul mosaic",
+    "grouped_matmul": "grouped_matmul triton",
     "moe": "probjax moe auto",
 }
 _REQUIRED = {"suite": str, "implementation": str, "shape": dict, "dtype": str, "status": str}
@@ -67,6 +67,14 @@ def latest(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     return cases
 
 
+def by_run(rows: list[dict]) -> dict[tuple, dict]:
+    """`(case, run, implementation) -> row` (the newest of a run): ratios pair rows of one run."""
+    out = {}
+    for row in sorted(rows, key=lambda r: r.get("date", "")):
+        out[_case(row), row.get("run", 0), row["implementation"]] = row
+    return out
+
+
 _TIMES = ("fwd_bwd_ms", "step_ms", "fwd_ms")
 
 
@@ -108,7 +116,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
     for row in rows:
         validate(row)
     out.mkdir(parents=True, exist_ok=True)
-    cases = latest(rows)
+    cases, runs = latest(rows), by_run(rows)
     newest = max(rows, key=lambda r: r.get("date", ""))
     lines = [
         f"# Benchmarks: {newest.get('device', {}).get('kind', name)}",
@@ -116,8 +124,9 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         f"Versions: {json.dumps(newest.get('versions', {}))}. Rendered by `bench/report.py`",
         "from the committed rows; each cell is the newest run of its case (`run`). Times are",
         "medians in ms (fwd+bwd, or one train step). **ratio** = that implementation's time",
-        "over our default's, on the first of fwd+bwd / step / fwd that both have (above 1: we",
-        "are faster). Status `unsup.` / `OOM` / `error` rows keep their message.",
+        "over our default's **in the same run**, on the first of fwd+bwd / step / fwd that both",
+        "have (above 1: we are faster; `-`: no default row in that run). Status `unsup.` /",
+        "`OOM` / `error` rows keep their message.",
         "",
     ]
     if logs is not None:
@@ -134,11 +143,11 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         for case in by_suite[suite]:
             impls = cases[case]
             default = _default_for(suite, case[1], set(impls))
-            base = impls[default] if default else None
             shape = ", ".join(f"{k}={v}" for k, v in json.loads(case[2]).items())
             label = f"{shape}, {case[3]}" + (f", {case[4]}" if case[4] else "")
             for impl, row in sorted(impls.items(), key=lambda kv: (kv[0] != default, kv[0])):
                 t = _time(row)
+                base = runs.get((case, row.get("run", 0), default)) if default else None
                 ratio = _ratio(row, base)
                 mark = f"**{impl}** (default)" if impl == default else impl
                 status = row["status"] if row["status"] == "ok" else (

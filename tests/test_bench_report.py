@@ -26,6 +26,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
         _row("jax.nn xla", 6.0, peer=True),
         _row("probjax mosaic", 0.0, status="unsup.", message="UnsupportedError: no"),
         _row("probjax auto", 1.5, run=2, date="2026-12-04T00:00:00"),  # newer run wins
+        _row("torch sdpa flash", 1.0, peer=True, run=3),  # no default in its run: no ratio
         dict(_row("probjax moe auto", 4.0, temp_bytes=2**30), suite="moe"),
     ]
     logs = tmp_path / "logs"
@@ -34,16 +35,19 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     path = render(rows, tmp_path / "out", "h200", logs=logs)
     text = path.read_text()
     assert "| **probjax auto** (default) | ok | 0.500 | 1.500 |" in text
-    assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 1.07 |" in text  # 1.6 / 1.5
-    assert "jax.nn xla | ok | 2.000 | 6.000 | - | 4.00 |" in text
+    # Ratios pair rows of one run: run 1's default (2.0), not the newer run's (1.5).
+    assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 0.80 |" in text
+    assert "jax.nn xla | ok | 2.000 | 6.000 | - | 3.00 |" in text
+    assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - |" in text
     assert "unsup.: UnsupportedError: no" in text
     assert "| 1.00 | 1.00 |" in text.split("## moe")[1]  # ratio, then the plan in GiB
     assert "2 passed, 1 failed" in text
-    assert "none: our default is fastest" in text
-    assert (tmp_path / "out" / "h200_attention.png").stat().st_size > 0
-    rows[1]["fwd_bwd_ms"] = 1.2
-    text = render(rows, tmp_path / "out", "h200").read_text()
     assert "torch sdpa cudnn takes 0.80x our time" in text
+    assert "torch sdpa flash takes" not in text
+    assert (tmp_path / "out" / "h200_attention.png").stat().st_size > 0
+    rows[1]["fwd_bwd_ms"] = 2.4
+    text = render(rows, tmp_path / "out", "h200").read_text()
+    assert "none: our default is fastest" in text
 
 
 @pytest.mark.parametrize(
