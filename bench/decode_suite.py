@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, time_fn, torch_attention
+from bench.harness import classify, select_grid, time_fn, torch_attention
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -134,10 +134,9 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train):
     return out, fwd_ms, bwd_ms
 
 
-def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
-    grid = dict(QUICK if quick else FULL)
-    if seqs:
-        grid["kv_len"] = seqs
+def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
+    grid = select_grid(FULL, QUICK, quick=quick, seq_key="kv_len", seqs=seqs,
+                       overrides=overrides)  # fmt: skip
     jax_impls, torch_impls = _jax_impls(), _torch_impls()
     names = [n for n in [*jax_impls, *torch_impls] if only is None or n in only]
     d = 32 if quick else HEAD_DIM

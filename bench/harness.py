@@ -103,12 +103,46 @@ def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: 
         row.update(status="error", message=f"output differs from {against}: {err:.3g}")
 
 
+def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs=None,
+                overrides: dict | None = None) -> dict:  # fmt: skip
+    """A suite's grid of cases: `--quick`'s or the full one, `--seq` and `--set` applied."""
+    grid = dict(quick_grid if quick else full)
+    if seqs:
+        grid[seq_key] = list(seqs)
+    for key, values in (overrides or {}).items():
+        if key not in grid:
+            raise ValueError(f"--set {key}=...: this suite's grid has {sorted(grid)}")
+        grid[key] = list(values)
+    return grid
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, list]:
+    """`["head_dim=64,128", "causal=false"]` -> `{"head_dim": [64, 128], "causal": [False]}`."""
+
+    def value(text: str):
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        try:
+            return int(text)
+        except ValueError:
+            return text
+
+    out = {}
+    for item in items or []:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--set takes KEY=V1[,V2...], got {item!r}")
+        out[key] = [value(v) for v in values.split(",")]
+    return out
+
+
 def classify(err: BaseException) -> tuple[str, str]:
     """Map an exception to a row status and a one-line message."""
     from probjax_eqx import UnsupportedError
 
     text = f"{type(err).__name__}: {err}".splitlines()[0][:400]
-    if isinstance(err, UnsupportedError | NotImplementedError):
+    # torch SDPA with a backend pinned raises "No available kernel" for what it rejects.
+    if isinstance(err, UnsupportedError | NotImplementedError) or "No available kernel" in text:
         return "unsup.", text
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text:
         return "OOM", text

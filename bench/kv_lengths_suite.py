@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.attention_suite import BF16_FWD_ATOL, CHECK_ROWS
-from bench.harness import classify, record, time_fn
+from bench.attention_suite import CHECK_ROWS, FWD_ATOL
+from bench.harness import classify, record, select_grid, time_fn
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -33,10 +33,9 @@ def _measure(name, q, k, v, ct, mask, repeats):
     return out, fwd_ms, bwd_ms
 
 
-def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
-    grid = dict(QUICK if quick else FULL)
-    if seqs:
-        grid["seq"] = seqs
+def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
+    grid = select_grid(FULL, QUICK, quick=quick, seq_key="seq", seqs=seqs,
+                       overrides=overrides)  # fmt: skip
     names = [n for n in IMPLS if only is None or f"probjax {n}" in only]
     for b, h, t, d, fraction in itertools.product(*grid.values()):
         keys = jax.random.split(jax.random.key(t + d), 4)
@@ -67,7 +66,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
             )
             try:
                 out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
-                record(row, out, expected, fwd_ms, bwd_ms, atol=BF16_FWD_ATOL)
+                record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL["bfloat16"])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)
             writer.add(row)

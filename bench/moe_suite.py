@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, record, time_fn
+from bench.harness import classify, record, select_grid, time_fn
 from probjax_eqx import MoE, grouped_matmul
 
 # (d_model, d_ff, experts, top_k, shared_d_ff): a fine-grained DeepSeek-like layer.
@@ -54,10 +54,9 @@ def _measure(moe, x, ct, repeats):
     return out, fwd_ms, bwd_ms, temp
 
 
-def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
-    grid = dict(QUICK if quick else FULL)
-    if seqs:
-        grid["tokens"] = seqs
+def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
+    grid = select_grid(FULL, QUICK, quick=quick, seq_key="tokens", seqs=seqs,
+                       overrides=overrides)  # fmt: skip
     names = [m for m in MODES if only is None or f"probjax moe {m}" in only]
     for tokens, layer in itertools.product(*grid.values()):
         yield from _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only)

@@ -24,6 +24,8 @@ DEFAULTS = {
     "kv_lengths": "probjax auto",
     "grouped_matmul": "grouped_matmul triton",
     "moe": "probjax moe auto",
+    "set_transformer": "probjax auto",
+    "dit": "dit auto",
 }
 _REQUIRED = {"suite": str, "implementation": str, "shape": dict, "dtype": str, "status": str}
 

@@ -14,20 +14,24 @@ from tqdm import tqdm  # noqa: E402
 from bench import (  # noqa: E402
     attention_suite,
     decode_suite,
+    dit_suite,
     kv_lengths_suite,
     moe_suite,
     scaling_suite,
     sequence_suite,
+    set_transformer_suite,
 )
-from bench.harness import RowWriter, device_info, versions  # noqa: E402
+from bench.harness import RowWriter, device_info, parse_overrides, versions  # noqa: E402
 
 SUITES = {
     "attention": attention_suite,
     "decode": decode_suite,
+    "dit": dit_suite,
     "kv_lengths": kv_lengths_suite,
     "moe": moe_suite,
     "scaling": scaling_suite,
     "sequence": sequence_suite,
+    "set_transformer": set_transformer_suite,
 }
 
 
@@ -39,6 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", nargs="*", help="implementation names to run")
     parser.add_argument("--seq", nargs="*", type=int, help="sequence lengths to run")
+    parser.add_argument("--set", nargs="*", metavar="KEY=V1,V2", help="restrict a grid axis")
     args = parser.parse_args(argv)
     writer = RowWriter(args.out)
     base = dict(
@@ -46,7 +51,13 @@ def main(argv=None) -> int:
         versions=versions(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
-    for suite in args.suite or sorted(SUITES):
+    suites = args.suite or sorted(SUITES)
+    overrides = parse_overrides(args.set)
+    axes = {suite: set(getattr(SUITES[suite], "FULL", {})) for suite in suites}
+    unknown = set(overrides) - set().union(*axes.values())
+    if unknown:
+        parser.error(f"--set {sorted(unknown)}: no selected suite has such a grid axis")
+    for suite in suites:
         rows = SUITES[suite].run(
             writer,
             base,
@@ -54,6 +65,7 @@ def main(argv=None) -> int:
             repeats=args.repeats,
             only=set(args.only) if args.only else None,
             seqs=args.seq,
+            overrides={k: v for k, v in overrides.items() if k in axes[suite]},
         )
         for row in tqdm(rows, desc=suite, mininterval=2.0):
             shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())

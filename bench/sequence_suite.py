@@ -67,7 +67,9 @@ def _measure(module, x, ct, repeats):
     return out, fwd_ms, bwd_ms
 
 
-def run(writer, base_row, *, quick, repeats, only=None, seqs=None):
+def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
+    if overrides:
+        raise ValueError(f"--set is not supported by this suite (got {sorted(overrides)})")
     grid = QUICK if quick else FULL
     b, d = grid["batch"], grid["d_model"]
     for seq in seqs or grid["seq"]:
