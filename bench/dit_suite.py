@@ -7,35 +7,16 @@ implementation's output is the reference the others are checked against.
 
 import itertools
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from bench.harness import classify, record, select_grid, time_fn
+from bench.harness import classify, record, select_grid, time_model_step
 from probjax_eqx import DiffusionTransformer
 
 FULL = dict(batch=[16], tokens=[256, 1024], model_dim=[512], heads=[8], layers=[8])
 QUICK = dict(batch=[2], tokens=[16], model_dim=[32], heads=[2], layers=[2])
 IMPLS = ("auto", "triton", "cudnn", "mosaic", "xla")
 IN_DIM = 16  # a 2x2 patch of a 4-channel latent
-
-
-def _measure(model, x, t, target, repeats):
-    """The first output row, the forward and the train step's median times."""
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def fwd(params, x, t):
-        return jax.vmap(eqx.combine(params, static))(x, t)
-
-    def loss(params, x, t):
-        return jnp.mean((fwd(params, x, t) - target) ** 2)
-
-    f, g = jax.jit(fwd), jax.jit(jax.grad(loss))
-    out = np.asarray(f(params, x, t)[:1], np.float32)
-    fwd_ms = time_fn(lambda: f(params, x, t), jax.block_until_ready, repeats=repeats)
-    step_ms = time_fn(lambda: g(params, x, t), jax.block_until_ready, repeats=repeats)
-    return out, fwd_ms, step_ms
 
 
 def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
@@ -62,7 +43,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                     IN_DIM, model_dim=dim, num_heads=heads, num_layers=layers,
                     implementation=impl, key=jax.random.key(0),
                 )  # fmt: skip
-                out, fwd_ms, step_ms = _measure(model, x, t, target, repeats)
+                out, fwd_ms, step_ms = time_model_step(
+                    model, (x, t), lambda y, target=target: jnp.mean((y - target) ** 2), repeats
+                )
                 expected = out if expected is None else expected
                 record(row, out, expected, fwd_ms, step_ms, atol=6e-2, bwd_factor=3.0,
                        against=f"dit {IMPLS[0]}")  # fmt: skip

@@ -86,6 +86,31 @@ def time_fn(
     return statistics.median(samples)
 
 
+def time_model_step(model, inputs: tuple, loss_of, repeats: int, *, input_grads=False):
+    """`(first output row, forward ms, train step ms)` of `jax.vmap(model)(*inputs)`.
+
+    The step is the forward plus the gradients of `loss_of(output)` with respect to the
+    model's arrays (and the first input, with `input_grads`).
+    """
+    import equinox as eqx
+    import numpy as np
+
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def fwd(params, *inputs):
+        return jax.vmap(eqx.combine(params, static))(*inputs)
+
+    def loss(params, *inputs):
+        return loss_of(fwd(params, *inputs))
+
+    f = jax.jit(fwd)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1) if input_grads else 0))
+    out = np.asarray(f(params, *inputs)[:1], np.float32)
+    fwd_ms = time_fn(lambda: f(params, *inputs), jax.block_until_ready, repeats=repeats)
+    step_ms = time_fn(lambda: g(params, *inputs), jax.block_until_ready, repeats=repeats)
+    return out, fwd_ms, step_ms
+
+
 def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: float,
            bwd_factor: float = 3.5, against: str = "the reference") -> None:  # fmt: skip
     """Fill a row's timings and TFLOP/s; an output off `expected` makes it an `error`."""

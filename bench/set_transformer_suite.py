@@ -9,13 +9,12 @@ attention implementation.
 
 import itertools
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench import attention_suite
-from bench.harness import classify, record, select_grid, time_fn
+from bench.harness import classify, record, select_grid, time_model_step
 from probjax_eqx import ISAB
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -77,21 +76,11 @@ def _model_rows(writer, base_row, shape, names, repeats):
                    dtype="bfloat16", flops_fwd=flops, status="ok", message="")  # fmt: skip
         try:
             model = ISAB(dim, h, m, implementation=impl, dtype=jnp.bfloat16, key=jax.random.key(0))
-            params, static = eqx.partition(model, eqx.is_array)
-
-            def fwd(params, x, static=static):
-                return jax.vmap(eqx.combine(params, static))(x)
-
-            def loss(params, x):
-                return jnp.sum(fwd(params, x).astype(jnp.float32) ** 2)
-
-            f, g = jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1)))
-            out = np.asarray(f(params, x)[:1], np.float32)
+            out, fwd_ms, bwd_ms = time_model_step(
+                model, (x,), lambda y: jnp.sum(y.astype(jnp.float32) ** 2), repeats,
+                input_grads=True,
+            )  # fmt: skip
             expected = out if expected is None else expected
-            fwd_ms = time_fn(lambda f=f, p=params: f(p, x), jax.block_until_ready,
-                             repeats=repeats)  # fmt: skip
-            bwd_ms = time_fn(lambda g=g, p=params: g(p, x), jax.block_until_ready,
-                             repeats=repeats)  # fmt: skip
             record(row, out, expected, fwd_ms, bwd_ms, atol=6e-2, bwd_factor=3.0,
                    against=f"isab {MODEL_IMPLS[0]}")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes a row
