@@ -15,7 +15,15 @@ from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_at
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
 
 CFG = MosaicAttentionConfig(block_k=64, interpret=True)
-IN_KERNEL = sorted(MASKS)
+# Every mask runs on the Triton kernels in CI; the Mosaic interpreter takes about a minute
+# a mask, so CI runs those that reach different code in the kernel (tile skipping from
+# both ends, KV-length skipping, rows without keys, combinators) and the rest with --slow.
+MOSAIC_CI_MASKS = {"none", "causal_bottom_right", "causal_and_kv_lengths", "window",
+                   "segments", "or_not"}  # fmt: skip
+IN_KERNEL = [
+    name if name in MOSAIC_CI_MASKS else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(MASKS)
+]
 
 
 def check(q, k, v, ct, mask=None, config=CFG):

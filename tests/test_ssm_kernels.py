@@ -100,30 +100,38 @@ def test_linear_branch_kernel(getkey, dtype, window):
     _grads_agree(run("triton", CHUNK_CFG), run("scan"), (q, k, v), cts, dtype)
 
 
-def test_modules_on_the_kernels_decode_and_vmap(getkey):
-    key = getkey()
+MODULE_PAIRS = {
+    "mamba": lambda key: (
+        Mamba(16, d_state=4, implementation="triton", config=SCAN_CFG, key=key),
+        Mamba(16, d_state=4, implementation="scan", key=key),
+    ),
+    "mamba2": lambda key: (
+        Mamba2(16, d_state=8, head_dim=8, implementation="triton", config=CHUNK_CFG, key=key),
+        Mamba2(16, d_state=8, head_dim=8, implementation="scan", key=key),
+    ),
+    "rla": lambda key: (
+        RLA(16, 2, window=5, implementation="triton", linear_config=CHUNK_CFG, key=key),
+        RLA(16, 2, window=5, implementation="scan", key=key),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MODULE_PAIRS)
+def test_modules_on_the_kernels_decode_and_vmap(getkey, name):
+    fast, ref = MODULE_PAIRS[name](getkey())
     x = jax.random.normal(getkey(), (2, 21, 16))
-    pairs = [
-        (Mamba(16, d_state=4, implementation="triton", config=SCAN_CFG, key=key),
-         Mamba(16, d_state=4, implementation="scan", key=key)),
-        (Mamba2(16, d_state=8, head_dim=8, implementation="triton", config=CHUNK_CFG, key=key),
-         Mamba2(16, d_state=8, head_dim=8, implementation="scan", key=key)),
-        (RLA(16, 2, window=5, implementation="triton", linear_config=CHUNK_CFG, key=key),
-         RLA(16, 2, window=5, implementation="scan", key=key)),
-    ]  # fmt: skip
     batched = lambda m, x: jax.vmap(lambda row: m(row))(x)  # noqa: E731
-    for fast, ref in pairs:
-        assert fast.explain(x[0]).kernel == "triton"
-        out = eqx.filter_jit(batched)(fast, x)
-        assert_close(out, batched(ref, x), jnp.float32)
-        grads = eqx.filter_grad(lambda m: jnp.sum(batched(m, x) ** 2))
-        for a, b in zip(jax.tree.leaves(grads(fast)), jax.tree.leaves(grads(ref))):
-            assert_close(a / 10, b / 10, jnp.float32, grad=True)  # sums of squares: O(10)
-        cache, rows = fast.init_cache(), []
-        for t in range(x.shape[1]):
-            y, cache = fast.decode_step(x[0, t], cache)
-            rows.append(y)
-        assert_close(jnp.stack(rows), out[0], jnp.float32)
+    assert fast.explain(x[0]).kernel == "triton"
+    out = eqx.filter_jit(batched)(fast, x)
+    assert_close(out, batched(ref, x), jnp.float32)
+    grads = eqx.filter_grad(lambda m: jnp.sum(batched(m, x) ** 2))
+    for a, b in zip(jax.tree.leaves(grads(fast)), jax.tree.leaves(grads(ref))):
+        assert_close(a / 10, b / 10, jnp.float32, grad=True)  # sums of squares: O(10)
+    step, cache, rows = eqx.filter_jit(type(fast).decode_step), fast.init_cache(), []
+    for t in range(x.shape[1]):
+        y, cache = step(fast, x[0, t], cache)
+        rows.append(y)
+    assert_close(jnp.stack(rows), out[0], jnp.float32)
 
 
 def test_recurrence_dispatch():

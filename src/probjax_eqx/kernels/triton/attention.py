@@ -221,7 +221,6 @@ class _Static:
     kinds: tuple[str, ...]
     n_mask_ops: int
     param_slots: tuple[int, ...] = ()  # float per-head operands: their gradients are computed
-    split_tiles: int = 0  # key tiles per split of the forward (num_splits > 1)
 
     @property
     def ctx(self) -> MaskContext:
@@ -283,9 +282,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     q = q_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
     ranges = tuple(ref[()] for ref in range_refs)
-    if splits > 1:  # this program's share of the key tiles
-        first = (t % splits) * st.split_tiles
-        ranges = tuple(jnp.clip(r, first, first + st.split_tiles) for r in ranges)
+    if splits > 1:
+        # This program's share of the tiles its row tile visits, split evenly: with
+        # per-batch KV lengths every split of a short row still gets work.
+        lo, hi = ranges[0], ranges[3]
+        per = (hi - lo + splits - 1) // splits
+        first = lo + (t % splits) * per
+        ranges = tuple(jnp.clip(r, first, first + per) for r in ranges)
 
     def body(j, carry, masked):
         acc, m, denom = carry
@@ -620,8 +623,7 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
         raise UnsupportedError("triton", f"at most {_PARAM_LANES} score-mod parameter arrays")
     if param_slots and cfg.backward_pass_impl != "triton_split":
         raise ValueError("score-mod parameter gradients need backward_pass_impl='triton_split'")
-    split_tiles = -(-(kv_pad // cfg.block_k) // cfg.num_splits)
-    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots, split_tiles)
+    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots)
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = _flash.tile_ranges(
