@@ -85,6 +85,18 @@ def test_triton_matches_oracle_on_gpu(getkey, name, head_dim):
     check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
 
 
+@pytest.mark.parametrize("q_len", [1, 16])
+def test_split_kv_decode_on_gpu(getkey, q_len):
+    """Few queries over long ragged KV: the planned split-KV, packed-GQA forward."""
+    mask = masks.KVLengths(jnp.array([20000, 1, 0, 7777]))
+    q, k, v = make_qkv(getkey(), batch=4, q_len=q_len, kv_len=20000, q_heads=8, kv_heads=2,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    choice = explain_attention(q, k, v, mask=mask, implementation="triton")
+    assert choice.config.num_splits > 1 and choice.config.pack_gqa
+    ct = jax.random.normal(getkey(), q.shape)
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
+
+
 @pytest.mark.parametrize(
     "dtype, head_dim, q_len", [(jnp.float32, 128, 333), (jnp.bfloat16, 256, 200)]
 )
