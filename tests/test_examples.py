@@ -76,7 +76,7 @@ def test_bench_quick_run_writes_rows(tmp_path):
     rows = json.loads(out_file.read_text())["rows"]
     assert {r["status"] for r in rows} == {"ok", "unsup."}
     assert {r["suite"] for r in rows} == {
-        "attention", "kv_lengths", "moe", "grouped_matmul", "sequence"
+        "attention", "kv_lengths", "moe", "grouped_matmul", "sequence", "set_transformer", "dit",
     }  # fmt: skip
     for row in rows:
         assert {
