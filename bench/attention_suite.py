@@ -11,7 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, record, select_grid, time_fn, torch_attention
+from bench.harness import (
+    classify,
+    record,
+    select_grid,
+    time_fn,
+    tokamax_peer,
+    torch_attention,
+)
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -63,6 +70,14 @@ def _jax_impls() -> dict[str, Callable]:
             "jax pallas mha (deprecated)": upstream_mha,
         }
     )
+    for impl in (None, "mosaic", "triton", "cudnn"):
+        impls[f"tokamax {impl or 'auto'}"] = tokamax_peer(
+            lambda tk, impl=impl: (
+                lambda q, k, v, causal: tk.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation=impl
+                )
+            )
+        )
     return impls
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, select_grid, time_fn, torch_attention
+from bench.harness import classify, select_grid, time_fn, tokamax_peer, torch_attention
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -52,6 +52,13 @@ def _jax_impls():
 
     impls = {f"probjax {n}": ours(n) for n in ("auto", "triton", "cudnn")}
     impls["jax.nn cudnn"] = jax_nn_cudnn
+    impls["tokamax auto"] = tokamax_peer(
+        lambda tk: (
+            lambda q, k, v, lengths: tk.dot_product_attention(
+                q, k, v, key_value_seq_lengths=lengths
+            )
+        )
+    )
     return impls
 
 

@@ -199,3 +199,45 @@ def torch_attention():
     if not torch.cuda.is_available():
         return None
     return torch, SDPBackend, sdpa_kernel, create_block_mask, flex_attention
+
+
+def tokamax():
+    """The `tokamax` module when it imports (a carried wheel, Python >= 3.12, jax >= 0.11.1),
+    else the reason it does not: its peers then record `unsup.` rows with that reason.
+
+    tokamax imports its profiler (`xprof`, a 32 MB wheel with cloud-storage dependencies)
+    at import time for its own benchmarking only; a stub stands in for it when absent.
+    """
+    import sys
+    import types
+
+    try:
+        import xprof.cli.tools  # noqa: F401
+    except ImportError:
+        names = ("xprof", "xprof.cli", "xprof.cli.tools")
+        stubs = {name: types.ModuleType(name) for name in names}
+
+        def get_kernel_stats_tool(*args, **kwargs):
+            raise NotImplementedError("xprof is stubbed in probjax-eqx's benchmarks")
+
+        stubs["xprof.cli.tools"].get_kernel_stats_tool = get_kernel_stats_tool  # type: ignore
+        for name, module in stubs.items():
+            sys.modules.setdefault(name, module)
+    try:
+        import tokamax as module
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason
+        return f"tokamax does not import: {type(exc).__name__}: {exc}"[:300]
+    return module
+
+
+def tokamax_peer(fn_of_module):
+    """A peer that calls `fn_of_module(tokamax)(*args)`, or raises `NotImplementedError`
+    (an `unsup.` row) naming why tokamax is not there."""
+
+    def peer(*args):
+        module = tokamax()
+        if isinstance(module, str):
+            raise NotImplementedError(module)
+        return fn_of_module(module)(*args)
+
+    return peer

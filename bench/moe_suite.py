@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, record, select_grid, time_fn
+from bench.harness import classify, record, select_grid, time_fn, tokamax_peer
 from probjax_eqx import MoE, grouped_matmul
 
 # (d_model, d_ff, experts, top_k, shared_d_ff): a fine-grained DeepSeek-like layer.
 LAYERS = [(512, 128, 64, 8, 1024)]
 FULL = dict(tokens=[16_384, 131_072, 1_048_576], layer=LAYERS)
 QUICK = dict(tokens=[64], layer=[(32, 48, 4, 2, 64)])
-GMM_IMPLS = ("xla", "triton", "mosaic", "dense balanced")
+GMM_IMPLS = ("xla", "triton", "mosaic", "tokamax", "dense balanced")
 MODES = ("auto", "xla", "triton", "mosaic", "pallas", "fused_gsum")
 BF16_ATOL = 6e-2
 
@@ -106,6 +106,8 @@ def _grouped_matmul(name, lhs, rhs, sizes):
             .astype(a.dtype)
             .reshape(-1, n)
         )
+    if name == "tokamax":
+        return tokamax_peer(lambda tk: lambda a, b: tk.ragged_dot(a, b, sizes))
     return lambda a, b: grouped_matmul(a, b, sizes, implementation=name)
 
 
@@ -134,7 +136,7 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
             base_row,
             suite="grouped_matmul",
             implementation=f"grouped_matmul {name}",
-            peer=name in ("xla", "dense balanced"),
+            peer=name in ("xla", "tokamax", "dense balanced"),
             shape=dict(
                 rows=rows, k=d, n=n, groups=e, max_group=int(np.max(np.diff(ends, prepend=0)))
             ),
