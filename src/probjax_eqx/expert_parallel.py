@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from probjax_eqx.backends import UnsupportedError
-from probjax_eqx.moe import MoE, MoEAux
+from probjax_eqx.moe import MoE, MoEAux, swiglu
 
 Exchange = Literal["auto", "all_to_all", "gather"]
 
@@ -78,12 +78,8 @@ def _local_experts(moe: MoE, axis: str):
 
 def _expert_ffn(moe: MoE, xs, group_sizes):
     """SwiGLU of sorted rows through this device's experts (rows past the groups: 0)."""
-    dtype = xs.dtype
-    d_ff = moe.w_gate.shape[2]
-    w13 = jnp.concatenate([moe.w_gate, moe.w_up], axis=2).astype(dtype)
-    h13 = moe._gmm(xs, w13, group_sizes)
-    h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff:]
-    return moe._gmm(h, moe.w_down.astype(dtype), group_sizes)
+    h = swiglu(moe._gmm(xs, moe.gate_up_weights(xs.dtype), group_sizes), moe.w_gate.shape[2])
+    return moe._gmm(h, moe.w_down.astype(xs.dtype), group_sizes)
 
 
 def _sort_local(expert_of_row, first, local):

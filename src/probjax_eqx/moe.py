@@ -287,6 +287,22 @@ def _init(key, shape, fan_in, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
 
 
+def swiglu(h13, d_ff: int):
+    """`silu(gate) * up` of rows holding the gate then the up projection (then padding)."""
+    return jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff : 2 * d_ff]
+
+
+def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
+    """`(layout, token, weight)` of the sorted (token, slot) pairs in the padded layout.
+
+    Padding rows get the spare token row `tokens` and router weight 0.
+    """
+    lay = triton_gmm.layout(group_sizes, token_of.shape[0], block_m)
+    rows = lay.tokens(token_of, tokens)
+    scale = lay.to_padded(sorted_weights[:, None])[:, 0]
+    return lay, rows, scale
+
+
 class MoE(eqx.Module):
     """Dropless top-k mixture of SwiGLU experts with an optional shared expert.
 
@@ -421,15 +437,16 @@ class MoE(eqx.Module):
             return self._padded(x.astype(dtype), token_of, sorted_weights, group_sizes, kernels)
         return self._sorted(x.astype(dtype), token_of, sorted_weights, group_sizes)
 
+    def gate_up_weights(self, dtype) -> Float[Array, "experts d_model two_d_ff"]:
+        """The gate and up expert matrices side by side: one grouped matmul for both."""
+        return jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(dtype)
+
     def _sorted(self, x, token_of, sorted_weights, group_sizes):
         """The top-k copies sorted by expert, through `grouped_matmul` (XLA, Triton in place)."""
-        d_ff = self.w_gate.shape[2]
-        w = lambda p: p.astype(x.dtype)  # noqa: E731
         xs = x[token_of]
-        # Gate and up projections as one grouped matmul: one pass over the copies.
-        h13 = self._gmm(xs, w(jnp.concatenate([self.w_gate, self.w_up], axis=2)), group_sizes)
-        h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff:]
-        ys = self._gmm(h, w(self.w_down), group_sizes).astype(jnp.float32)
+        h13 = self._gmm(xs, self.gate_up_weights(x.dtype), group_sizes)
+        h = swiglu(h13, self.w_gate.shape[2])
+        ys = self._gmm(h, self.w_down.astype(x.dtype), group_sizes).astype(jnp.float32)
         ys = ys * sorted_weights[:, None]
         return jnp.zeros(x.shape, jnp.float32).at[token_of].add(ys)
 
@@ -440,29 +457,25 @@ class MoE(eqx.Module):
         and un-padding around each matmul, forward or backward.
         """
         (tokens, d_model), d_ff = x.shape, self.w_gate.shape[2]
-        lay = triton_gmm.layout(group_sizes, token_of.shape[0], kernels.config.block_m)
-        rows = lay.tokens(token_of, tokens)  # padding rows read the spare zero row
-        w13 = jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(x.dtype)
-        w13_p, k_pad, _ = triton_gmm.padded_rhs(w13, kernels.config)
-        xs_p = triton_gmm.with_spare_row(x, k_pad)[rows]
-        h13 = triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels)
-        h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff : 2 * d_ff]
+        lay, rows, scale = _padded_routing(
+            group_sizes, token_of, sorted_weights, tokens, kernels.config.block_m
+        )
+        w13_p, k_pad, _ = triton_gmm.padded_rhs(self.gate_up_weights(x.dtype), kernels.config)
+        xs_p = triton_gmm.with_spare_row(x, k_pad)[rows]  # padding rows read the zero row
+        h = swiglu(triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels), d_ff)
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
         ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
-        scale = lay.to_padded(sorted_weights[:, None])[:, 0]  # 0 on padding rows
         ys = ys.astype(jnp.float32) * scale[:, None]
         return jnp.zeros((tokens + 1, d_model), jnp.float32).at[rows].add(ys)[:tokens]
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
-        tokens, d_ff = x.shape[0], self.w_gate.shape[2]
-        config = choice.config
-        lay = triton_gmm.layout(group_sizes, token_of.shape[0], config.block_m)
-        rows = lay.tokens(token_of, tokens)
-        scale = lay.to_padded(sorted_weights[:, None])[:, 0]
-        w13 = jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(x.dtype)
-        h13 = triton_gmm.gather_matmul(x, w13, lay, rows, config=config)
-        h = jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff:]
+        tokens, config = x.shape[0], choice.config
+        lay, rows, scale = _padded_routing(
+            group_sizes, token_of, sorted_weights, tokens, config.block_m
+        )
+        h13 = triton_gmm.gather_matmul(x, self.gate_up_weights(x.dtype), lay, rows, config=config)
+        h = swiglu(h13, self.w_gate.shape[2])
         w_down = self.w_down.astype(x.dtype)
         return triton_gmm.matmul_scatter(h, w_down, scale, lay, rows, tokens, config=config)
 
