@@ -186,12 +186,36 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     return resolve_backward(config, call, device)
 
 
-# Split-KV (flash-decoding) plan, per registry entry: split the keys of a call whose
-# programs would not fill `programs_per_sm x sms`, keeping >= `min_tiles` key tiles a split.
+# Split-KV (flash-decoding) plan, per registry entry. `programs_per_sm` is the residency
+# of the forward's programs (ncu on the H200: 8 warps x 96 registers allow 2). A grid
+# whose last wave is part-empty reads memory at the rate of its few last programs: 320
+# programs (1.21 waves) read K/V at 3.2 TB/s, 1024 (3.88 waves) at 4.3 TB/s. So a call
+# with few programs takes the fewest splits whose waves are >= `min_efficiency` full,
+# keeping >= `min_tiles` key tiles a split. Per-batch KV lengths make programs unequal:
+# >= `ragged_waves` waves let the scheduler even them out.
 SPLIT_KV_RULES = {
-    "sm_90": dict(sms=132, programs_per_sm=2, min_tiles=4),
-    "generic": dict(sms=108, programs_per_sm=2, min_tiles=4),
-}
+    "sm_90": dict(sms=132, programs_per_sm=2, min_tiles=4, min_efficiency=0.9, max_splits=256,
+                  ragged_waves=4),
+    "generic": dict(sms=108, programs_per_sm=2, min_tiles=4, min_efficiency=0.9, max_splits=256,
+                    ragged_waves=4),
+}  # fmt: skip
+
+
+def split_count(programs: int, kv_tiles: int, rule: dict, *, ragged: bool = False) -> int:
+    """Splits of the key axis for a grid of `programs` (see `SPLIT_KV_RULES`)."""
+    capacity = rule["sms"] * rule["programs_per_sm"]
+    if programs >= 2 * capacity:
+        return 1  # many programs: the last wave is a small part of the time
+    most = max(1, min(rule["max_splits"], kv_tiles // rule["min_tiles"]))
+    min_waves = rule["ragged_waves"] if ragged else 0
+
+    def efficiency(splits):
+        waves = programs * splits / capacity
+        return waves / math.ceil(waves) if waves >= min_waves or splits == most else 0.0
+
+    best = max(range(1, most + 1), key=efficiency)
+    wanted = min(rule["min_efficiency"], efficiency(best))
+    return next(n for n in range(1, most + 1) if efficiency(n) >= wanted)
 
 
 def _few_query_plan(call: AttentionCall, device: DeviceInfo, block_q, block_k, fit):
@@ -201,11 +225,8 @@ def _few_query_plan(call: AttentionCall, device: DeviceInfo, block_q, block_k, f
     rows, heads = (call.q_len * call.groups, call.kv_heads) if pack else (call.q_len, call.q_heads)
     block_q = fit(block_q, rows)
     programs = call.batch * heads * -(-rows // block_q)
-    kv_tiles = -(-call.kv_len // block_k)
-    splits = 1
-    if programs < rule["sms"]:
-        wanted = -(-rule["programs_per_sm"] * rule["sms"] // programs)
-        splits = max(1, min(wanted, kv_tiles // rule["min_tiles"]))
+    ragged = any(t[0] == "kv_lengths" for t in call.mask_terms)
+    splits = split_count(programs, -(-call.kv_len // block_k), rule, ragged=ragged)
     return pack, splits, block_q
 
 
