@@ -1,0 +1,57 @@
+"""Decode cases, one launch each after compiling, for a profiler (`ncu`) to read.
+
+`python -m bench.profile_decode CASE [CASE ...]`, a CASE being
+`IMPL/BATCH/KV_LEN/KV_HEADS[/BLOCK_K/WARPS/STAGES/SPLITS]`: IMPL `triton`, `auto` or
+`cudnn` (ours), or `torch-cudnn` / `torch-flash`. bf16, 32 query heads, hd 128, Lq 1.
+The kernels launch in the order of the cases.
+"""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from probjax_eqx import dot_product_attention
+from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+HEADS, HEAD_DIM = 32, 128
+
+
+def run_case(case: str, launches: int = 1):
+    impl, *dims = case.split("/")
+    batch, kv_len, kv_heads, *tiles = map(int, dims)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, 1, HEADS, HEAD_DIM), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, HEAD_DIM), jnp.bfloat16)
+            for kk in keys[1:])  # fmt: skip
+    jax.block_until_ready((q, k, v))
+    if impl.startswith("torch"):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "torch-flash": SDPBackend.FLASH_ATTENTION}[impl]  # fmt: skip
+        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(backend), torch.no_grad():
+            for _ in range(launches):
+                torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        torch.cuda.synchronize()
+        return
+    config = None
+    if tiles:
+        block_k, warps, stages, splits = tiles
+        config = TritonAttentionConfig(
+            block_q=16, block_q_dkv=16, block_q_dq=16, block_k=block_k, num_warps=warps,
+            num_stages=stages, num_splits=splits, pack_gqa=kv_heads < HEADS,
+        )  # fmt: skip
+    fwd = jax.jit(functools.partial(dot_product_attention, implementation=impl, config=config))
+    for _ in range(launches):
+        out = fwd(q, k, v)
+    jax.block_until_ready(out)
+
+
+if __name__ == "__main__":
+    for case in sys.argv[1:]:
+        print("case", case, flush=True)
+        run_case(case)
