@@ -167,3 +167,14 @@ def test_few_query_calls_route_to_split_kv_on_sm_90():
     # The generic entry has no regime: triton leads there anyway.
     generic = resolve("attention", device=H200, environ={"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"})
     assert generic.regimes == () and generic.select(decode).kernel == "triton"
+
+
+def test_small_heads_route_to_triton_on_sm_90():
+    from probjax_eqx.attention_call import AttentionCall
+
+    backend = resolve("attention", device=H200, environ={})
+    isab = AttentionCall(64, 128, 1024, 4, 4, 32, 32, "bfloat16")
+    choice = backend.select(isab)
+    assert choice.kernel == "triton" and "sm_90:small_heads" in choice.reason
+    wide = AttentionCall(64, 128, 1024, 4, 4, 64, 64, "bfloat16")
+    assert backend.select(wide).kernel == "cudnn"

@@ -41,8 +41,9 @@ _IMPLEMENTATIONS = {
 register_op("attention", lambda: _IMPLEMENTATIONS)
 
 # Few queries over long KV (decoding, cross-attention to long contexts): query tiles
-# alone leave the GPU idle, the split-KV forward does not. Provisional thresholds until
-# the decode benchmark measures the crossover (bench/results/h200_decode.json).
+# alone leave the GPU idle, the split-KV forward does not. H200 run 13-14: at Lq 1 and
+# 16 over 32k-131k keys it matches or beats jax.nn cudnn at every shape (B1, Lq 16,
+# 131k: 0.41 vs 1.54 ms); the 4096-key floor is not measured yet.
 FEW_QUERIES = dict(max_query_rows=128, min_kv_len=4096)
 
 
@@ -52,6 +53,18 @@ def _few_queries(call) -> bool:
 
 
 register_regime("attention", "few_queries", _few_queries)
+
+# Heads of <= 32 dims (set transformers): the matmuls are too thin for cuDNN's and
+# Mosaic's tiles to pay. H200 run 12, ISAB shapes (64 sets, 4 heads, 128 <-> 1024):
+# Triton fwd+bwd 0.188 / 0.210 ms vs cuDNN 0.350 / 0.315, Mosaic 0.347 / 0.346.
+SMALL_HEAD_DIM = 32
+
+
+def _small_heads(call) -> bool:
+    return max(call.qk_dim, call.v_dim) <= SMALL_HEAD_DIM
+
+
+register_regime("attention", "small_heads", _small_heads)
 
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 

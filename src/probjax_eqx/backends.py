@@ -14,6 +14,7 @@ Registry rules (in priority order, first supported wins):
 |-----------|----------------------------------|-----------------------------|
 | attention | cudnn, mosaic, triton, xla       | triton, xla                 |
 | attention, few queries over long KV | triton (split-KV), cudnn, mosaic, xla | triton, xla |
+| attention, head_dim <= 32 | triton, cudnn, mosaic, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
 | ssd, linear_attention | triton, chunked      | triton, chunked             |
@@ -50,6 +51,8 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         "sm_90": ("cudnn", "mosaic", "triton", "xla"),
         # Few queries over long KV: our split-KV Triton forward fills the GPU (REGIMES).
         "sm_90:few_queries": ("triton", "cudnn", "mosaic", "xla"),
+        # Heads of <= 32 dims: the Triton kernel is fastest (attention.SMALL_HEAD_DIM).
+        "sm_90:small_heads": ("triton", "cudnn", "mosaic", "xla"),
         "generic": ("triton", "xla"),
     },
     "grouped_matmul": {
