@@ -274,16 +274,20 @@ def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
 
 def test_few_query_plan_splits_and_packs():
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
-    decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16", (("kv_lengths",),))
+    decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(decode, h200)
     assert cfg.pack_gqa and cfg.block_q == 16
     # 8 programs (1 batch x 8 KV heads); 264 fit at once: 30 splits fill 91% of one wave.
     assert cfg.num_splits == 30
+    # Per-batch KV lengths ask for >= 4 waves; 512 key tiles allow at most 128 splits of 4.
+    ragged = dataclasses.replace(decode, mask_terms=(("kv_lengths",),))
+    assert triton_attention.default_config(ragged, h200).num_splits == 128
     rule = triton_attention.SPLIT_KV_RULES["sm_90"]
     assert triton_attention.split_count(64, 2048, rule) == 4  # 256 of 264: one wave
     assert triton_attention.split_count(320, 2048, rule) == 3  # 1.21 waves -> 3.64
     assert triton_attention.split_count(8, 8, rule) == 2  # >= 4 key tiles a split
     assert triton_attention.split_count(600, 2048, rule) == 1
+    assert triton_attention.split_count(64, 2048, rule, ragged=True) == 19  # 4.6 waves, 92% full
     train = AttentionCall(4, 4096, 4096, 8, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(train, h200)
     assert cfg.num_splits == 1 and not cfg.pack_gqa
