@@ -181,6 +181,13 @@ def test_bad_shapes_name_the_dimension(shapes, match):
     assert info.type.__name__ in ("ValueError", "TypeCheckError")
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])
+def test_scale_must_be_positive(scale):
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        dot_product_attention(q, q, q, scale=scale)
+
+
 def test_internal_validation_errors():
     from probjax_eqx.attention import _as_mask, _describe
 

@@ -135,6 +135,9 @@ def _select(q, k, v, mask, score_mod, implementation, config):
 def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     mask, score_mod, call, choice = _select(q, k, v, mask, score_mod, implementation, config)
     scale = 1.0 / math.sqrt(call.qk_dim) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        # The kernels take the running max of unscaled scores and scale it after.
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     impl = _IMPLEMENTATIONS[choice.kernel]
     return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
 

@@ -53,6 +53,8 @@ from probjax_eqx.masks import MaskContext
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
 _SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum
+_REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
+_WG_THREADS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,10 @@ class MosaicAttentionConfig:
         block_q_dq: query rows per dQ program.
         block_k_dq: keys per step of the dQ kernel.
         num_stages: depth of the TMA ring of every kernel.
+        memory_registers: registers per thread of the forward's TMA warpgroup (`setmaxnreg`,
+            24..256, a multiple of 8); the two compute warpgroups share the rest of the
+            64K-register file. Without it (None) all three get an equal third (168), too
+            few for a compute warpgroup's accumulator, scores and probabilities at once.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -77,6 +83,7 @@ class MosaicAttentionConfig:
     block_q_dq: int = 64
     block_k_dq: int = 64
     num_stages: int = 2
+    memory_registers: int | None = 40
     interpret: bool = False
 
     def __post_init__(self):
@@ -89,6 +96,16 @@ class MosaicAttentionConfig:
                 raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        regs = self.memory_registers
+        if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
+            raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
+
+    @property
+    def compute_registers(self) -> int | None:
+        """Registers per thread of each forward compute warpgroup (multiple of 8, <= 256)."""
+        if self.memory_registers is None:
+            return None
+        return min(256, (_REGISTER_FILE // _WG_THREADS - self.memory_registers) // 2 // 8 * 8)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -206,6 +223,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
 
     @pl.when(wg < 2)
     def _compute():
+        if cfg.compute_registers is not None:
+            plgpu.set_max_registers(cfg.compute_registers, action="increase")
         row0 = t * (2 * bq) + wg * bq
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[wg], q_bar.at[wg])
         for k, (buf, bar) in q_ids.items():
@@ -215,6 +234,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             plgpu.barrier_wait(bar.at[wg])
         shape = (bq, bk)
         scalars = _scalar_values(st, op_refs, b, h)
+        c = st.scale * LOG2E
 
         def body(j, carry, masked):
             acc, m, denom = carry
@@ -222,7 +242,6 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             plgpu.barrier_wait(k_bar.at[slot])
             s = _dot(q_smem.at[wg], kt_smem.at[slot], shape)
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * (st.scale * LOG2E)
             for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
                 plgpu.barrier_wait(bar.at[slot])
             if masked:
@@ -233,10 +252,12 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
                 q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
                 s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            # The scale rides in exp2's argument (one FMA an element, no separate multiply);
+            # the running max `m` is kept in scaled base-2 units.
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s - _rows(m_safe, shape))
+            p = jnp.exp2(s * c - _rows(m_safe, shape))
             denom = denom * alpha + p.sum(axis=1)
             acc = acc * _rows(alpha, acc.shape)
             p_smem.at[wg][...] = p.astype(dtype)
@@ -264,6 +285,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
 
     @pl.when(wg == 2)
     def _memory():
+        if cfg.memory_registers is not None:
+            plgpu.set_max_registers(cfg.memory_registers, action="decrease")
         kv_h = lax.div(h, jnp.int32(st.call.groups))
         count = hi - lo
 
