@@ -1,4 +1,7 @@
-"""Sweep Triton attention tiles on one shape: `python -m bench.sweep_triton --out F`."""
+"""Sweep attention kernel configs on one shape.
+
+python -m bench.sweep_attention --implementation triton|mosaic --out F
+"""
 
 import argparse
 import json
@@ -9,9 +12,10 @@ import jax.numpy as jnp
 
 from bench.harness import classify, time_fn
 from probjax_eqx import dot_product_attention, masks
+from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
-# (block_q, block_k, num_warps, num_stages) of the forward.
+# Triton: (block_q, block_k, num_warps, num_stages) of the forward.
 FWD = [
     (128, 64, 8, 2),
     (128, 64, 8, 3),
@@ -38,7 +42,26 @@ BWD = [
 ]
 
 
-def _configs():
+# Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers).
+MOSAIC_FWD = [
+    (128, 2, 40),
+    (128, 2, None),
+    (128, 3, 40),
+    (64, 2, 40),
+    (64, 3, 40),
+    (64, 4, 40),
+    (64, 2, None),
+]
+# Mosaic backward: (keys per dK/dV program, keys per dQ step, ring depth).
+MOSAIC_BWD = [(64, 64, 2), (128, 64, 2), (64, 128, 2), (64, 64, 3), (128, 128, 2)]
+CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig}
+
+
+def _configs(implementation):
+    if implementation == "mosaic":
+        out = [("fwd", dict(block_k=b, num_stages=s, memory_registers=r)) for b, s, r in MOSAIC_FWD]
+        out += [("bwd", dict(block_k_dkv=a, block_k_dq=b, num_stages=s)) for a, b, s in MOSAIC_BWD]
+        return out
     out = [("fwd", dict(block_q=a, block_k=b, num_warps=w, num_stages=s)) for a, b, w, s in FWD]
     out += [
         (
@@ -57,9 +80,9 @@ def _configs():
     return out
 
 
-def _measure(q, k, v, ct, mask, cfg, part):
+def _measure(q, k, v, ct, mask, cfg, part, implementation):
     def f(q, k, v):
-        return dot_product_attention(q, k, v, mask=mask, implementation="triton", config=cfg)
+        return dot_product_attention(q, k, v, mask=mask, implementation=implementation, config=cfg)
 
     if part == "fwd":
         fwd = jax.jit(f)
@@ -71,6 +94,7 @@ def _measure(q, k, v, ct, mask, cfg, part):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--implementation", choices=sorted(CONFIG_TYPES), default="triton")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--part", choices=["fwd", "bwd"], nargs="*", default=["fwd", "bwd"])
@@ -83,13 +107,20 @@ def main():
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
-            for part, kwargs in _configs():
+            for part, kwargs in _configs(args.implementation):
                 if part not in args.part:
                     continue
-                row = dict(seq=args.seq, head_dim=d, causal=causal, config=kwargs, status="ok")
+                row = dict(
+                    implementation=args.implementation,
+                    seq=args.seq,
+                    head_dim=d,
+                    causal=causal,
+                    config=kwargs,
+                    status="ok",
+                )
                 try:
-                    cfg = TritonAttentionConfig(**kwargs)
-                    row.update(_measure(q, k, v, ct, mask, cfg, part))
+                    cfg = CONFIG_TYPES[args.implementation](**kwargs)
+                    row.update(_measure(q, k, v, ct, mask, cfg, part, args.implementation))
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)
                 rows.append(row)
