@@ -163,13 +163,22 @@ def parse_overrides(items: list[str] | None) -> dict[str, list]:
     return out
 
 
+# How peers refuse a call they cannot compute (their own words).
+_PEER_REJECTIONS = (
+    "No available kernel",  # torch SDPA with a backend pinned
+    # the deprecated jax.experimental.pallas.ops.gpu.attention.mha: Lq != Lkv in its backward
+    "must be divided into the same number of blocks",
+)
+
+
 def classify(err: BaseException) -> tuple[str, str]:
     """Map an exception to a row status and a one-line message."""
     from probjax_eqx import UnsupportedError
 
     text = f"{type(err).__name__}: {err}".splitlines()[0][:400]
-    # torch SDPA with a backend pinned raises "No available kernel" for what it rejects.
-    if isinstance(err, UnsupportedError | NotImplementedError) or "No available kernel" in text:
+    if isinstance(err, UnsupportedError | NotImplementedError) or any(
+        rejection in text for rejection in _PEER_REJECTIONS
+    ):
         return "unsup.", text
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in text:
         return "OOM", text

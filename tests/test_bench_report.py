@@ -62,3 +62,17 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
 def test_report_rejects_malformed_rows(change, match):
     with pytest.raises(ValueError, match=match):
         validate({**_row("probjax auto", 1.0), **change})
+
+
+def test_classify_names_rejections_oom_and_errors():
+    from bench.harness import classify
+
+    from probjax_eqx import UnsupportedError
+
+    assert classify(UnsupportedError("triton", "no"))[0] == "unsup."
+    assert classify(RuntimeError("No available kernel. Aborting execution."))[0] == "unsup."
+    rejected = ValueError("q_seq_len and kv_seq_len must be divided into the same number of blocks")
+    assert classify(rejected)[0] == "unsup."
+    assert classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))[0] == "OOM"
+    status, message = classify(ValueError("shapes (3,) and (4,) differ\nsecond line"))
+    assert (status, message) == ("error", "ValueError: shapes (3,) and (4,) differ")
