@@ -507,23 +507,64 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         interpret=cfg.interpret,
         name="probjax_attention_triton_fwd" if n == 1 else "probjax_attention_triton_fwd_split",
     )(q, k, v, *fwd_ranges, *operands)
-    return outs if n == 1 else merge_splits(outs[0], outs[1], q.dtype)
+    return outs if n == 1 else merge_splits(outs[0], outs[1], q.dtype, cfg)
 
 
-def merge_splits(o, lse, dtype):
-    """Exact merge of per-split partials by their log-sum-exp.
+def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref):
+    """One (query tile, head, batch) of `merge_splits`: an online softmax over splits."""
+
+    def body(split, carry):
+        acc, m, total = carry
+        part = lse_ref[split, :]
+        m_new = jnp.maximum(m, part)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no split with keys yet
+        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(part - m_safe)
+        acc = acc * alpha[:, None] + o_ref[split, :, :] * weight[:, None]
+        return acc, m_new, total * alpha + weight
+
+    rows, dv = out_ref.shape
+    init = (
+        jnp.zeros((rows, dv), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, total = jax.lax.fori_loop(0, o_ref.shape[0], body, init)
+    empty = total == 0.0
+    safe = jnp.where(empty, 1.0, total)
+    out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
+    out_lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
+
+
+def merge_splits(o, lse, dtype, config: TritonAttentionConfig):
+    """Exact merge of per-split partials by their log-sum-exp, in one small kernel.
 
     `o` is `[splits, b, q, h, dv]`, each split normalised over its keys; `lse` is base 2,
-    `[splits, b, h, q]`, -inf where a split saw no key.
+    `[splits, b, h, q]`, -inf where a split saw no key. Returns `o` `[b, q, h, dv]` in
+    `dtype` and `lse` `[b, h, q]` (+inf on rows no split saw a key of). One kernel
+    instead of XLA's reductions and transposes: at decode sizes each launch costs more
+    than the data it moves.
     """
-    top = jnp.max(lse, axis=0)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp2(lse - top)  # [splits, b, h, q]; 0 for empty splits
-    total = jnp.sum(weights, axis=0)
-    safe = jnp.where(total == 0.0, 1.0, total)
-    share = jnp.swapaxes(weights / safe, 2, 3)[..., None]  # [splits, b, q, h, 1]
-    merged = jnp.sum(share * o, axis=0).astype(dtype)
-    return merged, jnp.where(total == 0.0, jnp.inf, top + jnp.log2(safe))
+    splits, batch, q_pad, heads, dv = o.shape
+    bq = config.block_q
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(q_pad // bq, heads, batch),
+        in_specs=[
+            pl.BlockSpec((splits, None, bq, None, dv), lambda t, h, b: (0, b, t, h, 0)),
+            pl.BlockSpec((splits, None, None, bq), lambda t, h, b: (0, b, h, t)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, dv), lambda t, h, b: (b, t, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda t, h, b: (b, h, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, q_pad, heads, dv), dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=config.interpret,
+        name="probjax_attention_triton_merge_splits",
+    )(o, lse)
 
 
 def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
