@@ -59,10 +59,14 @@ def test_selective_scan_kernel(getkey, dtype, seq, d, n):
     _grads_agree(run("triton", SCAN_CFG), run("scan"), args, cts, dtype)
 
 
+# block_dv=16 splits the 20 (padded: 32) value columns over two programs per head.
+SPLIT_CFG = ChunkedLinearConfig(chunk=16, block_dv=16, interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("seq", [37, 16])
-def test_ssd_kernel(getkey, dtype, seq):
-    heads, p, n = 3, 8, 12
+@pytest.mark.parametrize("seq, config", [(37, CHUNK_CFG), (16, CHUNK_CFG), (37, SPLIT_CFG)])
+def test_ssd_kernel(getkey, dtype, seq, config):
+    heads, p, n = 3, 20, 12
     x = jax.random.normal(getkey(), (seq, heads, p))
     dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, heads)) - 1.0)
     a = -jnp.exp(jax.random.normal(getkey(), (heads,)))
@@ -78,13 +82,15 @@ def test_ssd_kernel(getkey, dtype, seq):
 
     cts = (jax.random.normal(getkey(), (seq, heads, p)) / 4,
            jax.random.normal(getkey(), (heads, p, n)) / 4)  # fmt: skip
-    _grads_agree(run("triton", CHUNK_CFG), run("scan"), args, cts, dtype)
+    _grads_agree(run("triton", config), run("scan"), args, cts, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("window", [1, 5, 40])  # 40 > seq: the branch is all zeros
-def test_linear_branch_kernel(getkey, dtype, window):
-    seq, heads, dk = 37, 2, 8
+@pytest.mark.parametrize(
+    "window, config", [(1, CHUNK_CFG), (5, CHUNK_CFG), (40, CHUNK_CFG), (5, SPLIT_CFG)]
+)  # 40 > seq: the branch is all zeros
+def test_linear_branch_kernel(getkey, dtype, window, config):
+    seq, heads, dk = 37, 2, 20
     q, k, v = (jax.random.normal(getkey(), (seq, heads, dk)).astype(dtype) for _ in range(3))
 
     def run(impl, config=None):
@@ -97,7 +103,7 @@ def test_linear_branch_kernel(getkey, dtype, window):
         return f
 
     cts = (jax.random.normal(getkey(), (seq, heads, dk)),)
-    _grads_agree(run("triton", CHUNK_CFG), run("scan"), (q, k, v), cts, dtype)
+    _grads_agree(run("triton", config), run("scan"), (q, k, v), cts, dtype)
 
 
 MODULE_PAIRS = {
@@ -147,3 +153,17 @@ def test_recurrence_dispatch():
             Mamba(16, implementation="triton", key=jax.random.key(0))(jnp.zeros((8, 16)))
     with pytest.raises(ValueError, match="one of"):
         Mamba(16, implementation="chunked", key=jax.random.key(0))
+
+
+def test_chunked_linear_defaults_split_wide_states_on_the_gpu():
+    from probjax_eqx.recurrence import RecurrenceCall
+
+    # RLA with 128-dim heads: 2 x 128 features + 128 values a step.
+    wide = resolve("linear_attention", device=H200).select(
+        RecurrenceCall(4096, "bfloat16", features=384), None
+    )
+    assert wide.kernel == "triton"
+    assert (wide.config.chunk, wide.config.block_dv, wide.config.interpret) == (32, 32, False)
+    # Mamba-2 (64 state x 64 head dims): one program per head, as measured in run 6.
+    narrow = resolve("ssd", device=H200).select(RecurrenceCall(4096, "bfloat16", 128), None)
+    assert narrow.config.block_dv is None

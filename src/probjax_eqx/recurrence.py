@@ -59,7 +59,11 @@ class TritonRecurrence:
         if self.config_type is ChunkedLinearConfig and call.features > 256:
             # Wide states (RLA's 2 x 128 features + 128 values): 64-step chunks asked the
             # H200 for 327,680 bytes of shared memory (bench/results/h200.json, run 6).
-            return ChunkedLinearConfig(chunk=32, num_stages=1, interpret=not device.is_gpu)
+            # One program per head held a 256 x 128 float32 state and left most SMs idle
+            # (B4 x 8 heads: 32 programs); 32 value columns a program make 4x the programs.
+            return ChunkedLinearConfig(
+                chunk=32, block_dv=32, num_stages=1, interpret=not device.is_gpu
+            )
         return self.config_type(interpret=not device.is_gpu)
 
 

@@ -68,19 +68,27 @@ class ChunkedLinearConfig:
 
     Attributes:
         chunk: steps per chunk (a power of two >= 16).
+        block_dv: value columns per program (a power of two >= 16), or None for all of a
+            head's. Columns of the state are independent, so splitting them multiplies
+            the programs (a head's chunk loop is sequential) and divides each one's
+            state; every program recomputes its chunks' q.k scores, and the backward's
+            dq/dk/decay gradients are per-block partials summed afterwards.
         num_warps: warps per program.
         num_stages: software pipelining depth of the chunk loop.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
     chunk: int = 64
+    block_dv: int | None = None
     num_warps: int = 4
     num_stages: int = 2
     interpret: bool = False
 
     def __post_init__(self):
-        if self.chunk < 16 or self.chunk & (self.chunk - 1):
-            raise ValueError(f"chunk={self.chunk} must be a power of two >= 16")
+        for name in ("chunk", "block_dv"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
 def _params(cfg):
@@ -337,13 +345,17 @@ def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
 
 
-def _linear_specs(seq, dk, dv, group, n_chunks):
-    qk = pl.BlockSpec((seq, None, dk), lambda h: (0, h // group, 0))
-    per_head = lambda width: pl.BlockSpec((seq, None, width), lambda h: (0, h, 0))  # noqa: E731
-    g = pl.BlockSpec((None, seq), lambda h: (h, 0))
-    state = pl.BlockSpec((None, dk, dv), lambda h: (h, 0, 0))
-    states = pl.BlockSpec((None, n_chunks * dk, dv), lambda h: (h, 0, 0))
-    return qk, per_head, g, state, states
+def _linear_specs(seq, dk, block_dv, group, n_chunks):
+    """Specs for a grid (head, value block): q/k/g whole per head, the rest per block."""
+    qk = pl.BlockSpec((seq, None, dk), lambda h, j: (0, h // group, 0))
+    values = pl.BlockSpec((seq, None, block_dv), lambda h, j: (0, h, j))
+    g = pl.BlockSpec((None, seq), lambda h, j: (h, 0))
+    state = pl.BlockSpec((None, dk, block_dv), lambda h, j: (h, 0, j))
+    states = pl.BlockSpec((None, n_chunks * dk, block_dv), lambda h, j: (h, 0, j))
+    # The backward's per-value-block partials of dq/dk ([blocks, seq, heads, dk]), dg.
+    partial_qk = pl.BlockSpec((None, seq, None, dk), lambda h, j: (j, 0, h, 0))
+    partial_g = pl.BlockSpec((None, None, seq), lambda h, j: (j, h, 0))
+    return qk, values, g, state, states, partial_qk, partial_g
 
 
 def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearConfig):
@@ -361,6 +373,9 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
     group = heads // kv_heads
     seq_p, dk_p, dv_p = _round_up(seq, chunk), _next_pow2(dk, 16), _next_pow2(dv, 16)
     n_chunks = seq_p // chunk
+    block_dv = dv_p if cfg.block_dv is None else min(cfg.block_dv, dv_p)
+    n_blocks = dv_p // block_dv
+    grid = (heads, n_blocks)
     decay = log_decay is not None
     dtype = jnp.promote_types(q.dtype, v.dtype)
 
@@ -374,19 +389,21 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
         g = jnp.pad(g.astype(f32), ((0, seq_p - seq), (0, 0))).reshape(n_chunks, chunk, heads)
         return jnp.cumsum(g, axis=1).reshape(seq_p, heads).T
 
-    qk_spec, per_head, g_spec, state, states = _linear_specs(seq_p, dk_p, dv_p, group, n_chunks)
-    in_specs = [qk_spec, qk_spec, per_head(dv_p), g_spec, state]
+    qk_spec, values, g_spec, state, states, partial_qk, partial_g = _linear_specs(
+        seq_p, dk_p, block_dv, group, n_chunks
+    )
+    in_specs = [qk_spec, qk_spec, values, g_spec, state]
     o_shape = jax.ShapeDtypeStruct((seq_p, heads, dv_p), f32)
     s_shape = jax.ShapeDtypeStruct((heads, dk_p, dv_p), f32)
 
     def forward(qp, kp, vp, gp, h0p, keep_states):
-        out_specs, out_shape = [per_head(dv_p), state], [o_shape, s_shape]
+        out_specs, out_shape = [values, state], [o_shape, s_shape]
         if keep_states:
             out_specs.append(states)
             out_shape.append(jax.ShapeDtypeStruct((heads, n_chunks * dk_p, dv_p), f32))
         kernel = functools.partial(_linear_fwd_kernel, chunk=chunk, decay=decay)
-        return _call(kernel, cfg, (heads,), in_specs, out_specs, out_shape,
-                            "probjax_chunked_linear_fwd_triton")(qp, kp, vp, gp, h0p)  # fmt: skip
+        return _call(kernel, cfg, grid, in_specs, out_specs, out_shape,
+                     "probjax_chunked_linear_fwd_triton")(qp, kp, vp, gp, h0p)  # fmt: skip
 
     def operands(q, k, v, g, h0):
         gp = cumulative(g) if decay else jnp.zeros((heads, seq_p), f32)
@@ -408,14 +425,16 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
         (qp, kp, vp, gp, _), saved, primals = residuals
         do, dh_last = cotangents
         kernel = functools.partial(_linear_bwd_kernel, chunk=chunk, decay=decay)
-        grad_qk = jax.ShapeDtypeStruct((seq_p, heads, dk_p), f32)
+        grad_qk = jax.ShapeDtypeStruct((n_blocks, seq_p, heads, dk_p), f32)
         dq, dk_, dv_, dg, dh0 = _call(
-            kernel, cfg, (heads,),
-            [qk_spec, qk_spec, per_head(dv_p), g_spec, states, per_head(dv_p), state],
-            [per_head(dk_p), per_head(dk_p), per_head(dv_p), g_spec, state],
-            [grad_qk, grad_qk, o_shape, jax.ShapeDtypeStruct((heads, seq_p), f32), s_shape],
+            kernel, cfg, grid,
+            [qk_spec, qk_spec, values, g_spec, states, values, state],
+            [partial_qk, partial_qk, values, partial_g, state],
+            [grad_qk, grad_qk, o_shape, jax.ShapeDtypeStruct((n_blocks, heads, seq_p), f32),
+             s_shape],
             "probjax_chunked_linear_bwd_triton",
         )(qp, kp, vp, gp, saved, pad(do, dv_p), pad_state(dh_last))  # fmt: skip
+        dq, dk_, dg = (t.sum(0) for t in (dq, dk_, dg))  # the value blocks' partials
         # Heads that share q/k add their shares; the cumsum's cotangent is a reverse cumsum.
         fold = lambda t: t[:seq, :, :dk].reshape(seq, kv_heads, group, dk).sum(2)  # noqa: E731
         grads = [fold(dq), fold(dk_), dv_[:seq, :, :dv]]
