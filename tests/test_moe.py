@@ -94,9 +94,12 @@ def test_grouped_matmul_refusals_and_choice(getkey):
         assert "needs a GPU" in dict(choice.rejected)["triton"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype):
-    m, k, n = 100, 72, 80  # K, N off the 64-wide tiles; one group empty
+# K, N off the 64-wide tiles; K > N: dRHS transposes dout rather than lhs.
+@pytest.mark.parametrize(
+    "dtype, k, n", [(jnp.bfloat16, 72, 80), (jnp.float16, 72, 80), (jnp.bfloat16, 150, 40)]
+)
+def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype, k, n):
+    m = 100  # one group empty
     sizes = jnp.array([30, 0, 65])
     # O(1) outputs, as the tolerances assume (the interpreter rounds each wgmma's products
     # to the operand dtype before accumulating; the GPU accumulates in float32).

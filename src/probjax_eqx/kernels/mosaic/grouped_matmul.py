@@ -8,7 +8,9 @@ with the next step's tiles prefetched while the current step computes:
   the same kernel on `rhs` transposed per group (an XLA transpose: wgmma reads its B
   operand untransposed, and jax 0.10's interpreter runs no transposed views);
 - transposed grouped matmul `out[g] = lhs_g^T @ dout_g` for dRHS: grid (group, K tile,
-  N tile), looping over that group's row tiles only; `lhs^T` is passed transposed.
+  N tile), looping over that group's row tiles only. One operand must be passed
+  transposed (an XLA transpose): the narrower of `lhs` and `dout`, computing
+  `(dout_g^T @ lhs_g)^T` when that is `dout`.
 """
 
 import dataclasses
@@ -163,13 +165,20 @@ def _tgmm(lhs_t, dout_p, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfi
     )(*lay.group_tiles, lhs_t, dout_p)
 
 
+def _transposed(a, d, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfig):
+    """`out[g] = a_g^T @ d_g`, transposing whichever of `a` and `d` has fewer columns."""
+    if a.shape[1] <= d.shape[1]:
+        return _tgmm(a.T, d, lay, groups, cfg)
+    return jnp.swapaxes(_tgmm(d.T, a, lay, groups, cfg), 1, 2)
+
+
 def kernels(config: MosaicGroupedMatmulConfig, groups: int) -> PaddedKernels:
     """The Mosaic grouped matmuls for `groups` groups (the output takes the lhs dtype)."""
     return PaddedKernels(
         config,
         matmul=lambda a, r, lay: _gmm(a, r, lay, config, a.dtype),
         matmul_t=lambda d, r, lay: _gmm(d, jnp.swapaxes(r, 1, 2), lay, config, d.dtype),
-        transposed=lambda a, d, lay: _tgmm(a.T, d, lay, groups, config),
+        transposed=lambda a, d, lay: _transposed(a, d, lay, groups, config),
     )
 
 
