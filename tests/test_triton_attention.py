@@ -294,3 +294,11 @@ def test_few_query_plan_splits_and_packs():
     with pytest.raises(UnsupportedError, match="pack_gqa"):
         q, k, v = make_qkv(jax.random.key(0), q_heads=4, kv_heads=2)
         run_triton(q, k, v, masks.Causal(), config=dataclasses.replace(CFG, pack_gqa=True))
+
+
+def test_split_kv_over_several_query_tiles_causal(getkey):
+    """Splits of every query tile (the grid runs the last tile first) under a causal mask."""
+    q, k, v = make_qkv(getkey(), q_len=40, kv_len=100, q_heads=2, kv_heads=2)
+    ct = jax.random.normal(getkey(), (2, 40, 2, 16))
+    config = dataclasses.replace(CFG, num_splits=3)
+    check(q, k, v, ct, masks.Causal("bottom_right"), config=config)

@@ -298,8 +298,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
     t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = st.config.num_splits
-    i = t // splits
     bq, bk = st.config.block_q, st.config.block_k
+    i = _reversed_tile(t // splits, st.q_pad // bq)
     q = q_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
     ranges = tuple(ref[()] for ref in range_refs)
@@ -395,8 +395,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     n_ops = len(st.kinds)
     range_refs, refs = refs[:4], refs[4:]
     op_refs, (dq_ref, *dparam_ref) = refs[:n_ops], refs[n_ops:]
-    i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dq, st.config.block_k_dq
+    i = _reversed_tile(pl.program_id(0), st.q_pad // bq)
+    h, b = pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
@@ -437,8 +438,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         dparam_ref[0][...] = row
 
 
-def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, splits=1):
-    """BlockSpecs for the mask operands, for a grid (tile x splits, head, batch)."""
+def _reversed_tile(t, tiles: int):
+    """Query tile of grid row `t`: the last first.
+
+    Under causal masks a query tile's work grows with its index; starting the long ones
+    first leaves short ones for the grid's last wave instead of one long straggler.
+    """
+    return tiles - 1 - t
+
+
+def _same(t):
+    return t
+
+
+def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, tile_of=_same):
+    """BlockSpecs for the mask operands, for a grid (grid row, head, batch).
+
+    `tile_of(row)` is the tile of the program's own axis that grid row `row` works on.
+    """
     specs = []
     for kind in kinds:
         if kind == "batch":
@@ -446,41 +463,45 @@ def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int,
         elif kind == "head":
             specs.append(pl.BlockSpec((None,), lambda t, h, b: (h,)))
         elif kind == seq_role:  # the program's own tile
-            specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, t // splits)))
+            specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, tile_of(t))))
         else:  # the looped axis: the whole row, sliced per step
             n = q_pad if kind == "q_pos" else kv_pad
             specs.append(pl.BlockSpec((None, n), lambda t, h, b: (b, 0)))
     return specs
 
 
-def _range_specs(splits=1):
-    return [pl.BlockSpec((None, None), lambda t, h, b: (b, t // splits))] * 4
+def _range_specs(tile_of=_same):
+    return [pl.BlockSpec((None, None), lambda t, h, b: (b, tile_of(t)))] * 4
 
 
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     cfg, groups = st.config, st.call.groups
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
-    n = cfg.num_splits
-    grid = (st.q_pad // cfg.block_q * n, heads, batch)
+    n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
+    grid = (tiles * n, heads, batch)
+
+    def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
+        return _reversed_tile(t // n, tiles)
+
     in_specs = [
-        pl.BlockSpec((None, cfg.block_q, None, d), lambda t, h, b: (b, t // n, h, 0)),
+        pl.BlockSpec((None, cfg.block_q, None, d), lambda t, h, b: (b, tile_of(t), h, 0)),
         pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
         pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
-        *_range_specs(n),
+        *_range_specs(tile_of),
         *_operand_specs(
             st.kinds,
             seq_role="q_pos",
             block=cfg.block_q,
             q_pad=st.q_pad,
             kv_pad=st.kv_pad,
-            splits=n,
+            tile_of=tile_of,
         ),
     ]
     if n == 1:
         out_specs = [
-            pl.BlockSpec((None, cfg.block_q, None, dv), lambda t, h, b: (b, t, h, 0)),
-            pl.BlockSpec((None, None, cfg.block_q), lambda t, h, b: (b, h, t)),
+            pl.BlockSpec((None, cfg.block_q, None, dv), lambda t, h, b: (b, tile_of(t), h, 0)),
+            pl.BlockSpec((None, None, cfg.block_q), lambda t, h, b: (b, h, tile_of(t))),
         ]
         out_shape = [
             jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
@@ -489,9 +510,12 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     else:  # float32 partials per split, merged below
         out_specs = [
             pl.BlockSpec(
-                (None, None, cfg.block_q, None, dv), lambda t, h, b: (t % n, b, t // n, h, 0)
+                (None, None, cfg.block_q, None, dv),
+                lambda t, h, b: (t % n, b, tile_of(t), h, 0),
             ),
-            pl.BlockSpec((None, None, None, cfg.block_q), lambda t, h, b: (t % n, b, h, t // n)),
+            pl.BlockSpec(
+                (None, None, None, cfg.block_q), lambda t, h, b: (t % n, b, h, tile_of(t))
+            ),
         ]
         out_shape = [
             jax.ShapeDtypeStruct((n, batch, st.q_pad, heads, dv), jnp.float32),
@@ -617,21 +641,33 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         return outs[2].astype(q.dtype), dk, dv_, (None,) * len(operands)
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     has_params = bool(st.param_slots)
+    tiles = st.q_pad // bq
+
+    def tile_of(i):
+        return _reversed_tile(i, tiles)
+
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
         grid=(st.q_pad // bq, heads, batch),
         in_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
             pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
             pl.BlockSpec((None, st.kv_pad, None, dv), lambda i, h, b: (b, 0, h // groups, 0)),
-            pl.BlockSpec((None, bq, None, dv), lambda i, h, b: (b, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
-            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, i)),
-            *_range_specs(),
-            *_operand_specs(st.kinds, seq_role="q_pos", block=bq, q_pad=st.q_pad, kv_pad=st.kv_pad),
+            pl.BlockSpec((None, bq, None, dv), lambda i, h, b: (b, tile_of(i), h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, tile_of(i))),
+            pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, tile_of(i))),
+            *_range_specs(tile_of),
+            *_operand_specs(
+                st.kinds,
+                seq_role="q_pos",
+                block=bq,
+                q_pad=st.q_pad,
+                kv_pad=st.kv_pad,
+                tile_of=tile_of,
+            ),  # fmt: skip
         ],
         out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
             *[pl.BlockSpec((None, None, None, _PARAM_LANES), lambda i, h, b: (b, h, i, 0))]
             * has_params,
         ],
