@@ -53,6 +53,15 @@ def valid_pairs(ctx, mask, b, h, q_idx, kv_idx):
     return valid
 
 
+def last_first(t, tiles: int):
+    """Query tile of program (or grid row) `t`: the last tile first.
+
+    Under causal masks a query tile's work grows with its index; starting the long ones
+    first leaves short ones for the grid's last wave instead of one long straggler.
+    """
+    return tiles - 1 - t
+
+
 def tile_loop(ranges, body, init):
     """Run `body(step, carry, masked)` over the tiles `[lo, hi)` of `ranges`.
 

@@ -217,7 +217,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     }
     cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
-    t, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    t = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * bq))
+    h, b = lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     lo, full_lo, full_hi, hi = lo_ref[b, t], flo_ref[b, t], fhi_ref[b, t], hi_ref[b, t]
 
@@ -470,7 +471,8 @@ def _dq_kernel(*refs, st, rebuild):
     own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
     cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages
-    i, h, b = lax.axis_index("q"), lax.axis_index("h"), lax.axis_index("b")
+    i = _flash.last_first(lax.axis_index("q"), st.q_pad // bq)
+    h, b = lax.axis_index("h"), lax.axis_index("b")
     kv_h = lax.div(h, jnp.int32(st.call.groups))
     lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
     count = hi - lo

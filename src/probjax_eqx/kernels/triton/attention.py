@@ -299,7 +299,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = st.config.num_splits
     bq, bk = st.config.block_q, st.config.block_k
-    i = _reversed_tile(t // splits, st.q_pad // bq)
+    i = _flash.last_first(t // splits, st.q_pad // bq)
     q = q_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
     ranges = tuple(ref[()] for ref in range_refs)
@@ -396,7 +396,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     range_refs, refs = refs[:4], refs[4:]
     op_refs, (dq_ref, *dparam_ref) = refs[:n_ops], refs[n_ops:]
     bq, bk = st.config.block_q_dq, st.config.block_k_dq
-    i = _reversed_tile(pl.program_id(0), st.q_pad // bq)
+    i = _flash.last_first(pl.program_id(0), st.q_pad // bq)
     h, b = pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -438,15 +438,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         dparam_ref[0][...] = row
 
 
-def _reversed_tile(t, tiles: int):
-    """Query tile of grid row `t`: the last first.
-
-    Under causal masks a query tile's work grows with its index; starting the long ones
-    first leaves short ones for the grid's last wave instead of one long straggler.
-    """
-    return tiles - 1 - t
-
-
 def _same(t):
     return t
 
@@ -482,7 +473,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     grid = (tiles * n, heads, batch)
 
     def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
-        return _reversed_tile(t // n, tiles)
+        return _flash.last_first(t // n, tiles)
 
     in_specs = [
         pl.BlockSpec((None, cfg.block_q, None, d), lambda t, h, b: (b, tile_of(t), h, 0)),
@@ -644,7 +635,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     tiles = st.q_pad // bq
 
     def tile_of(i):
-        return _reversed_tile(i, tiles)
+        return _flash.last_first(i, tiles)
 
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
