@@ -39,9 +39,14 @@ def _grads_agree(f_kernel, f_ref, args, cotangents, dtype):
         assert_close(a, b, dtype, grad=True, err_msg=f"gradient of argument {i}")
 
 
+# 16 steps a load: 37 steps are three blocks, the last padded; one step a load too.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("seq, d, n", [(37, 40, 12), (1, 16, 16)])
-def test_selective_scan_kernel(getkey, dtype, seq, d, n):
+@pytest.mark.parametrize(
+    "seq, d, n, config",
+    [(37, 40, 12, SCAN_CFG), (1, 16, 16, SCAN_CFG),
+     (37, 40, 12, SelectiveScanConfig(block_d=16, steps=1, interpret=True))],
+)  # fmt: skip
+def test_selective_scan_kernel(getkey, dtype, seq, d, n, config):
     x = jax.random.normal(getkey(), (seq, d))
     dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, d)) - 1.0)
     a = -jnp.exp(jax.random.normal(getkey(), (d, n)))
@@ -56,7 +61,7 @@ def test_selective_scan_kernel(getkey, dtype, seq, d, n):
         return f
 
     cts = (jax.random.normal(getkey(), (seq, d)) / 4, jax.random.normal(getkey(), (d, n)) / 4)
-    _grads_agree(run("triton", SCAN_CFG), run("scan"), args, cts, dtype)
+    _grads_agree(run("triton", config), run("scan"), args, cts, dtype)
 
 
 # block_dv=16 splits the 20 (padded: 32) value columns over two programs per head.

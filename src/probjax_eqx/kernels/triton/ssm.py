@@ -5,7 +5,9 @@ Both are unbatched (`jax.vmap` adds a grid axis), compute in float32 and have on
 
 - `selective_scan` (Mamba-1): `h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t`, `y_t = C_t . h_t`,
   per channel `d` and state `n`. One program owns `block_d` channels and walks the
-  sequence with its `[N, block_d]` state in registers. The decay differs per (d, n), so
+  sequence with its `[N, block_d]` state in registers, loading the inputs of `steps`
+  steps at once (one memory round trip per `steps` steps, not per step) and unrolling
+  the steps over them. The decay differs per (d, n), so
   there is no matmul form; the win over `lax.scan` is one kernel instead of a loop of
   XLA launches. For the backward, the forward stores every step's state (float32
   `[seq, N, d]`, the same residual memory as differentiating the `lax.scan` reference);
@@ -47,19 +49,25 @@ class SelectiveScanConfig:
 
     Attributes:
         block_d: channels per program (a power of two).
+        steps: time steps whose inputs one load brings (a power of two; unrolled). Each
+            step depends on the last, so a load a step put a memory round trip on the
+            critical path of every step.
         num_warps: warps per program.
         num_stages: software pipelining depth of the time loop.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
     block_d: int = 32
+    steps: int = 16
     num_warps: int = 2
     num_stages: int = 2
     interpret: bool = False
 
     def __post_init__(self):
-        if self.block_d < 1 or self.block_d & (self.block_d - 1):
-            raise ValueError(f"block_d={self.block_d} must be a power of two")
+        for name in ("block_d", "steps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,53 +113,68 @@ _dot = functools.partial(plt.dot, allow_tf32=False)
 # step's x/dt rows are [1, block_d] loads and its B/C columns [N, 1] loads of B^T/C^T.
 
 
-def _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref):
-    row, col = pl.ds(t, 1), pl.ds(t, 1)
-    x = x_ref[row, :].astype(f32)
-    dt = dt_ref[row, :].astype(f32)
-    return x, dt, bt_ref[:, col].astype(f32), ct_ref[:, col].astype(f32)
+def _parts(x, n: int, axis: int):
+    """`x` cut into `n` equal parts along `axis` (in registers)."""
+    return jnp.split(x, n, axis=axis) if n > 1 else [x]
+
+
+def _block_inputs(t0, steps, x_ref, dt_ref, bt_ref, ct_ref):
+    """Per step of `[t0, t0 + steps)`: x and dt rows `[1, block_d]`, B and C columns `[N, 1]`."""
+    rows = pl.ds(t0, steps)
+    load = lambda ref, index, axis: _parts(ref[index].astype(f32), steps, axis)  # noqa: E731
+    return (load(x_ref, (rows, slice(None)), 0), load(dt_ref, (rows, slice(None)), 0),
+            load(bt_ref, (slice(None), rows), 1), load(ct_ref, (slice(None), rows), 1))  # fmt: skip
 
 
 def _scan_fwd_kernel(x_ref, dt_ref, at_ref, bt_ref, ct_ref, h0_ref, y_ref, ht_ref, *states,
-                     n_state: int):  # fmt: skip
+                     n_state: int, steps: int):  # fmt: skip
     a_t = at_ref[...]
 
-    def step(t, h):
-        x, dt, b, c = _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref)
-        h = jnp.exp(dt * a_t) * h + (dt * x) * b
-        y_ref[pl.ds(t, 1), :] = jnp.sum(h * c, axis=0, keepdims=True)
-        if states:
-            states[0][pl.ds(t * n_state, n_state), :] = h
+    def block(i, h):
+        t0 = pl.multiple_of(i * steps, steps)
+        xs, dts, bs, cs = _block_inputs(t0, steps, x_ref, dt_ref, bt_ref, ct_ref)
+        for r in range(steps):
+            h = jnp.exp(dts[r] * a_t) * h + (dts[r] * xs[r]) * bs[r]
+            y_ref[pl.ds(t0 + r, 1), :] = jnp.sum(h * cs[r], axis=0, keepdims=True)
+            if states:
+                states[0][pl.ds((t0 + r) * n_state, n_state), :] = h
         return h
 
-    ht_ref[...] = jax.lax.fori_loop(0, x_ref.shape[0], step, h0_ref[...])
+    ht_ref[...] = jax.lax.fori_loop(0, x_ref.shape[0] // steps, block, h0_ref[...])
 
 
-def _scan_bwd_kernel(*refs, n_state: int):
+def _scan_bwd_kernel(*refs, n_state: int, steps: int):
     x_ref, dt_ref, at_ref, bt_ref, ct_ref, h0_ref, states_ref, dy_ref, dht_ref = refs[:9]
     dx_ref, ddt_ref, dat_ref, dbt_ref, dct_ref, dh0_ref = refs[9:]
     a_t = at_ref[...]
     h0 = h0_ref[...]
+    n_blocks = x_ref.shape[0] // steps
 
-    def step(i, carry):
+    def block(i, carry):
         dh, da = carry
-        t = x_ref.shape[0] - 1 - i
-        x, dt, b, c = _step_inputs(t, x_ref, dt_ref, bt_ref, ct_ref)
-        h = states_ref[pl.ds(t * n_state, n_state), :]
-        before = states_ref[pl.ds(jnp.maximum(t - 1, 0) * n_state, n_state), :]
-        h_prev = jnp.where(t > 0, before, h0)
-        dy = dy_ref[pl.ds(t, 1), :].astype(f32)
-        dh = dh + c * dy
-        dct_ref[:, pl.ds(t, 1)] = jnp.sum(h * dy, axis=1, keepdims=True)
-        decay = jnp.exp(dt * a_t)
-        through_decay = dh * decay * h_prev  # dL/d(dt A)
-        ddt_ref[pl.ds(t, 1), :] = jnp.sum(through_decay * a_t + dh * x * b, axis=0, keepdims=True)
-        dx_ref[pl.ds(t, 1), :] = dt * jnp.sum(dh * b, axis=0, keepdims=True)
-        dbt_ref[:, pl.ds(t, 1)] = jnp.sum(dh * (dt * x), axis=1, keepdims=True)
-        return decay * dh, da + through_decay * dt
+        t0 = pl.multiple_of((n_blocks - 1 - i) * steps, steps)
+        xs, dts, bs, cs = _block_inputs(t0, steps, x_ref, dt_ref, bt_ref, ct_ref)
+        dys = _parts(dy_ref[pl.ds(t0, steps), :].astype(f32), steps, 0)
+        hs = _parts(states_ref[pl.ds(t0 * n_state, steps * n_state), :], steps, 0)
+        before = states_ref[pl.ds(jnp.maximum(t0 - 1, 0) * n_state, n_state), :]
+        first_prev = jnp.where(t0 > 0, before, h0)  # the state before the block
+        for r in reversed(range(steps)):
+            t, h, dt, x, b, c = t0 + r, hs[r], dts[r], xs[r], bs[r], cs[r]
+            h_prev = hs[r - 1] if r else first_prev
+            dh = dh + c * dys[r]
+            dct_ref[:, pl.ds(t, 1)] = jnp.sum(h * dys[r], axis=1, keepdims=True)
+            decay = jnp.exp(dt * a_t)
+            through_decay = dh * decay * h_prev  # dL/d(dt A)
+            ddt_ref[pl.ds(t, 1), :] = jnp.sum(
+                through_decay * a_t + dh * x * b, axis=0, keepdims=True
+            )
+            dx_ref[pl.ds(t, 1), :] = dt * jnp.sum(dh * b, axis=0, keepdims=True)
+            dbt_ref[:, pl.ds(t, 1)] = jnp.sum(dh * (dt * x), axis=1, keepdims=True)
+            dh, da = decay * dh, da + through_decay * dt
+        return dh, da
 
     zeros = jnp.zeros(a_t.shape, f32)
-    dh, da = jax.lax.fori_loop(0, x_ref.shape[0], step, (dht_ref[...], zeros))
+    dh, da = jax.lax.fori_loop(0, n_blocks, block, (dht_ref[...], zeros))
     dh0_ref[...] = dh
     dat_ref[...] = da
 
@@ -187,7 +210,7 @@ def _scan_forward(x, dt, a_t, b_t, c_t, h0_t, cfg, *, keep_states: bool):
         out_specs.append(pl.BlockSpec((seq * n, bd), lambda j: (0, j)))
         out_shape.append(jax.ShapeDtypeStruct((seq * n, d), f32))
     outs = _call(
-        functools.partial(_scan_fwd_kernel, n_state=n), cfg, (blocks,),
+        functools.partial(_scan_fwd_kernel, n_state=n, steps=cfg.steps), cfg, (blocks,),
         [rows, rows, state, cols, cols, state], out_specs, out_shape,
         "probjax_selective_scan_fwd_triton",
     )(x, dt, a_t, b_t, c_t, h0_t)  # fmt: skip
@@ -202,7 +225,7 @@ def _scan_backward(ops, states, dy, dht, cfg):
     rows, state, cols = _scan_specs(seq, n, bd)
     partial = pl.BlockSpec((None, n, seq), lambda j: (j, 0, 0))  # per program: summed after
     dx, ddt, da_t, db_t, dc_t, dh0_t = _call(
-        functools.partial(_scan_bwd_kernel, n_state=n), cfg, (blocks,),
+        functools.partial(_scan_bwd_kernel, n_state=n, steps=cfg.steps), cfg, (blocks,),
         [rows, rows, state, cols, cols, state, pl.BlockSpec((seq * n, bd), lambda j: (0, j)),
          rows, state],
         [rows, rows, state, partial, partial, state],
@@ -222,22 +245,24 @@ def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
     cfg = config
     seq, d = x.shape
     n = a.shape[1]
-    n_pad, d_pad = _next_pow2(n), _round_up(d, cfg.block_d)
-    # Padded channels have dt = 0 and padded states B = C = 0: their state stays zero.
-    pad_d = lambda t: jnp.pad(t, ((0, 0), (0, d_pad - d)))  # noqa: E731
-    pad_n = lambda t: jnp.pad(t, ((0, n_pad - n), (0, 0)))  # noqa: E731
-    state_t = lambda s: pad_d(pad_n(s.astype(f32).T))  # noqa: E731  [d, n] -> [n_pad, d_pad]
+    seq_pad, n_pad, d_pad = _round_up(seq, cfg.steps), _next_pow2(n), _round_up(d, cfg.block_d)
+    # Padded channels and steps have dt = 0 and padded states B = C = 0: the state stays
+    # zero in padded channels and passes padded steps unchanged.
+    pad_d = lambda t: jnp.pad(t, ((0, seq_pad - t.shape[0]), (0, d_pad - d)))  # noqa: E731
+    pad_n = lambda t: jnp.pad(t, ((0, n_pad - n), (0, seq_pad - t.shape[1])))  # noqa: E731
+    # [d, n] -> [n_pad, d_pad]
+    state_t = lambda s: jnp.pad(s.astype(f32).T, ((0, n_pad - n), (0, d_pad - d)))  # noqa: E731
 
     @jax.custom_vjp
     def run(x, dt, a, b, c, h0):
         y, h_last = _scan_forward(pad_d(x), pad_d(dt), state_t(a), pad_n(b.T), pad_n(c.T),
                                   state_t(h0), cfg, keep_states=False)  # fmt: skip
-        return y[:, :d], h_last[:n, :d].T
+        return y[:seq, :d], h_last[:n, :d].T
 
     def run_fwd(x, dt, a, b, c, h0):
         ops = (pad_d(x), pad_d(dt), state_t(a), pad_n(b.T), pad_n(c.T), state_t(h0))
         y, h_last, states = _scan_forward(*ops, cfg, keep_states=True)
-        return (y[:, :d], h_last[:n, :d].T), (ops, states, (x, dt, a, b, c, h0))
+        return (y[:seq, :d], h_last[:n, :d].T), (ops, states, (x, dt, a, b, c, h0))
 
     def run_bwd(residuals, cotangents):
         ops, states, primals = residuals
@@ -245,7 +270,8 @@ def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
         dx, ddt, da_t, db_t, dc_t, dh0_t = _scan_backward(
             ops, states, pad_d(dy.astype(f32)), state_t(dh_last), cfg
         )
-        grads = (dx[:, :d], ddt[:, :d], da_t[:n, :d].T, db_t[:n].T, dc_t[:n].T, dh0_t[:n, :d].T)
+        grads = (dx[:seq, :d], ddt[:seq, :d], da_t[:n, :d].T, db_t[:n, :seq].T,
+                 dc_t[:n, :seq].T, dh0_t[:n, :d].T)  # fmt: skip
         return tuple(g.astype(p.dtype) for g, p in zip(grads, primals))
 
     run.defvjp(run_fwd, run_bwd)
