@@ -1,0 +1,113 @@
+"""Sweep the recurrence kernels' configs: `python -m bench.sweep_ssm --out F`.
+
+The shapes of the sequence suite (B4, T 4096, d_model 1024, bf16): Mamba's selective
+scan (d_inner 2048, 16 states) over `steps` per load and `block_d`, and RLA's linear
+branch (8 heads, 256 features, 128 values) over `block_dv` and `chunk`. Rows: fwd and
+fwd+bwd per config, batched with `jax.vmap` like the modules.
+"""
+
+import argparse
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from bench.harness import classify, device_info, time_fn, versions
+from probjax_eqx.kernels.triton import ssm
+
+SCAN = [  # steps, block_d, num_warps
+    (1, 32, 2),
+    (8, 32, 2),
+    (16, 32, 2),
+    (32, 32, 2),
+    (16, 16, 1),
+    (16, 64, 4),
+]
+LINEAR = [  # block_dv, chunk, num_stages
+    (None, 32, 1),
+    (64, 32, 1),
+    (32, 32, 1),
+    (16, 32, 1),
+    (32, 64, 1),
+    (32, 64, 2),
+]
+
+
+def _scan_case(key, batch, seq, d, n):
+    keys = jax.random.split(key, 5)
+    x = jax.random.normal(keys[0], (batch, seq, d), jnp.bfloat16)
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (batch, seq, d)) - 4).astype(jnp.bfloat16)
+    a = -jnp.exp(jax.random.normal(keys[2], (d, n)))
+    b, c = (jax.random.normal(k, (batch, seq, n), jnp.bfloat16) for k in keys[3:])
+    h0 = jnp.zeros((batch, d, n))
+
+    def run(cfg):
+        f = functools.partial(ssm.selective_scan, config=cfg)
+        return jax.vmap(lambda x, dt, b, c, h0: f(x, dt, a, b, c, h0)[0])
+
+    return run, (x, dt, b, c, h0)
+
+
+def _linear_case(key, batch, seq, heads, features, dv):
+    keys = jax.random.split(key, 3)
+    q = jax.random.normal(keys[0], (batch, seq, heads, features), jnp.bfloat16) / features
+    k = jax.random.normal(keys[1], (batch, seq, heads, features), jnp.bfloat16) / features
+    v = jax.random.normal(keys[2], (batch, seq, heads, dv), jnp.bfloat16)
+    h0 = jnp.zeros((batch, heads, features, dv))
+
+    def run(cfg):
+        f = functools.partial(ssm.chunked_linear_attention, config=cfg)
+        return jax.vmap(lambda q, k, v, h0: f(q, k, v, None, h0)[0])
+
+    return run, (q, k, v, h0)
+
+
+def _measure(fn, args):
+    sync = jax.block_until_ready
+    fwd = jax.jit(fn)
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args) - 1))))
+    return dict(
+        fwd_ms=time_fn(lambda: fwd(*args), sync), fwd_bwd_ms=time_fn(lambda: grad(*args), sync)
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args()
+    key = jax.random.key(0)
+    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run
+    scan, scan_args = _scan_case(key, args.batch, args.seq, 2048, 16)
+    linear, linear_args = _linear_case(key, args.batch, args.seq, 8, 256, 128)
+    cases = [
+        (
+            "selective_scan",
+            scan,
+            scan_args,
+            ssm.SelectiveScanConfig(steps=s, block_d=bd, num_warps=w, interpret=interpret),
+        )
+        for s, bd, w in SCAN
+    ]
+    cases += [("chunked_linear", linear, linear_args,
+               ssm.ChunkedLinearConfig(block_dv=bdv, chunk=c, num_stages=st, interpret=interpret))
+              for bdv, c, st in LINEAR]  # fmt: skip
+    rows, env = [], dict(device=device_info(), versions=versions())
+    for kernel, build, operands, cfg in cases:
+        row = dict(kernel=kernel, batch=args.batch, seq=args.seq, config=repr(cfg), status="ok")
+        row.update(env)
+        try:
+            row.update(_measure(build(cfg), operands))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            row["status"], row["message"] = classify(exc)
+        rows.append(row)
+        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
