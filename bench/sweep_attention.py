@@ -27,6 +27,9 @@ FWD = [
     (128, 128, 8, 3),
     (128, 64, 8, 4),
     (128, 32, 8, 4),
+    (64, 64, 2, 3),  # small heads (hd 32, the set-transformer shapes)
+    (32, 64, 2, 3),
+    (64, 128, 4, 3),
 ]
 # (queries per dK/dV step, keys per dK/dV program, num_warps, num_stages); dQ uses the
 # transposed tiles.
@@ -99,11 +102,18 @@ def main():
     parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--part", choices=["fwd", "bwd"], nargs="*", default=["fwd", "bwd"])
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-seq", type=int, help="keys per row (default: --seq)")
     args = parser.parse_args()
+    kv_seq = args.kv_seq or args.seq
     rows = []
     for d in args.head_dim:
         keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v = (jax.random.normal(kk, (4, args.seq, 8, d), jnp.bfloat16) for kk in keys[:3])
+        shape = (args.batch, args.seq, args.heads, d)
+        q = jax.random.normal(keys[0], shape, jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), jnp.bfloat16)
+                for kk in keys[1:3])  # fmt: skip
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
@@ -112,7 +122,10 @@ def main():
                     continue
                 row = dict(
                     implementation=args.implementation,
+                    batch=args.batch,
+                    heads=args.heads,
                     seq=args.seq,
+                    kv_seq=kv_seq,
                     head_dim=d,
                     causal=causal,
                     config=kwargs,
