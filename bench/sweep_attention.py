@@ -15,7 +15,7 @@ from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
-# Triton: (block_q, block_k, num_warps, num_stages) of the forward.
+# Triton: (block_q, block_k, num_warps, num_stages[, num_splits]) of the forward.
 FWD = [
     (128, 64, 8, 2),
     (128, 64, 8, 3),
@@ -30,6 +30,8 @@ FWD = [
     (64, 64, 2, 3),  # small heads (hd 32, the set-transformer shapes)
     (32, 64, 2, 3),
     (64, 128, 4, 3),
+    (128, 64, 4, 3, 2),  # 2 key splits: twice the programs of a one-wave grid
+    (64, 64, 2, 3, 2),
 ]
 # (queries per dK/dV step, keys per dK/dV program, num_warps, num_stages); dQ uses the
 # transposed tiles.
@@ -65,7 +67,8 @@ def _configs(implementation):
         out = [("fwd", dict(block_k=b, num_stages=s, memory_registers=r)) for b, s, r in MOSAIC_FWD]
         out += [("bwd", dict(block_k_dkv=a, block_k_dq=b, num_stages=s)) for a, b, s in MOSAIC_BWD]
         return out
-    out = [("fwd", dict(block_q=a, block_k=b, num_warps=w, num_stages=s)) for a, b, w, s in FWD]
+    keys = ("block_q", "block_k", "num_warps", "num_stages", "num_splits")
+    out = [("fwd", dict(zip(keys, tiles))) for tiles in FWD]
     out += [
         (
             "bwd",
