@@ -28,7 +28,13 @@ TRITON = [  # block_m, block_n, block_k, num_warps, num_stages
     (128, 128, 128, 8, 2),
     (64, 256, 64, 4, 3),
 ]
-MOSAIC = [(128, 64, 2), (256, 64, 2)]  # n, k, stages
+MOSAIC = [  # block_m (128: two compute warpgroups and a TMA one), n, k, stages
+    (64, 128, 64, 2),
+    (64, 256, 64, 2),
+    (128, 128, 64, 3),
+    (128, 128, 64, 4),
+    (128, 256, 64, 2),
+]
 
 
 def main():
@@ -64,8 +70,9 @@ def main():
     configs = [("triton", triton_gmm.TritonGroupedMatmulConfig(
         block_m=m, block_n=bn, block_k=bk, num_warps=w, num_stages=s))
         for m, bn, bk, w, s in TRITON]  # fmt: skip
-    configs += [("mosaic", MosaicGroupedMatmulConfig(block_n=bn, block_k=bk, num_stages=s))
-                for bn, bk, s in MOSAIC]  # fmt: skip
+    configs += [("mosaic", MosaicGroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk,
+                                                     num_stages=s))
+                for bm, bn, bk, s in MOSAIC]  # fmt: skip
     for impl, cfg in configs:
         row = dict(part="grouped_matmul", impl=impl, config=repr(cfg), status="ok")
         try:

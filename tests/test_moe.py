@@ -1,5 +1,7 @@
 """MoE and the grouped matmul against dense float32 oracles; Triton kernels in interpret mode."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -94,19 +96,23 @@ def test_grouped_matmul_refusals_and_choice(getkey):
         assert "needs a GPU" in dict(choice.rejected)["triton"]
 
 
-# K, N off the 64-wide tiles; K > N: dRHS transposes dout rather than lhs.
+# K, N off the 64-wide tiles; K > N: dRHS transposes dout rather than lhs; 128-row tiles
+# (two compute warpgroups fed by a TMA one) over groups of 30 and 165 rows.
 @pytest.mark.parametrize(
-    "dtype, k, n", [(jnp.bfloat16, 72, 80), (jnp.float16, 72, 80), (jnp.bfloat16, 150, 40)]
-)
-def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype, k, n):
-    m = 100  # one group empty
-    sizes = jnp.array([30, 0, 65])
+    "dtype, k, n, config",
+    [(jnp.bfloat16, 72, 80, MOSAIC_CFG), (jnp.float16, 72, 80, MOSAIC_CFG),
+     (jnp.bfloat16, 150, 40, MOSAIC_CFG),
+     (jnp.bfloat16, 72, 80, dataclasses.replace(MOSAIC_CFG, block_m=128))],
+)  # fmt: skip
+def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype, k, n, config):
+    sizes = jnp.array([30, 0, 65]) if config.block_m == 64 else jnp.array([30, 0, 165])
+    m = int(sizes.sum()) + 5  # one group empty, rows past the groups
     # O(1) outputs, as the tolerances assume (the interpreter rounds each wgmma's products
     # to the operand dtype before accumulating; the GPU accumulates in float32).
     lhs = jax.random.normal(getkey(), (m, k)).astype(dtype)
     rhs = (jax.random.normal(getkey(), (3, k, n)) / k**0.5).astype(dtype)
     ct = jax.random.normal(getkey(), (m, n)) / 8**0.5
-    f = lambda a, b: grouped_matmul(a, b, sizes, implementation="mosaic", config=MOSAIC_CFG)
+    f = lambda a, b: grouped_matmul(a, b, sizes, implementation="mosaic", config=config)
     out = f(lhs, rhs)
     assert_close(out, dense_grouped_matmul(lhs, rhs, sizes), dtype, err_msg="out")
     up = lambda x: x.astype(jnp.float32)  # noqa: E731

@@ -42,8 +42,9 @@ def test_attention_kernels_lower(mask):
     assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
 
 
-def test_grouped_matmul_kernels_lower():
-    config = mosaic_gmm.MosaicGroupedMatmulConfig()
+@pytest.mark.parametrize("block_m", [64, 128])  # 128: two compute warpgroups and a TMA one
+def test_grouped_matmul_kernels_lower(block_m):
+    config = mosaic_gmm.MosaicGroupedMatmulConfig(block_m=block_m)
     sizes = jnp.array([100, 0, 30], jnp.int32)
     f = lambda a, b: mosaic_gmm.grouped_matmul(a, b, sizes, config=config)  # noqa: E731
     lhs, rhs = jnp.ones((130, 64), jnp.bfloat16), jnp.ones((3, 64, 128), jnp.bfloat16)

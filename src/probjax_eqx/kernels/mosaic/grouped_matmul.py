@@ -6,7 +6,10 @@ with the next step's tiles prefetched while the current step computes:
 
 - grouped matmul `[rows, K] x [G, K, N]`: grid (row tile, column tile), K loop; dLHS is
   the same kernel on `rhs` transposed per group (an XLA transpose: wgmma reads its B
-  operand untransposed, and jax 0.10's interpreter runs no transposed views);
+  operand untransposed, and jax 0.10's interpreter runs no transposed views). With
+  `block_m=128` a program has two compute warpgroups (64 rows each, sharing each B tile)
+  fed by a third that only issues TMA copies into a `num_stages`-deep ring, released by
+  per-slot "consumed" barriers, as in our attention forward;
 - transposed grouped matmul `out[g] = lhs_g^T @ dout_g` for dRHS: grid (group, K tile,
   N tile), looping over that group's row tiles only. One operand must be passed
   transposed (an XLA transpose): the narrower of `lhs` and `dout`, computing
@@ -34,7 +37,8 @@ class MosaicGroupedMatmulConfig:
     """Tiles of the Mosaic grouped matmul.
 
     Attributes:
-        block_m: rows per tile (64: one warpgroup) and the alignment of every group.
+        block_m: rows per tile and the alignment of every group: 64 (one warpgroup) or
+            128 (two compute warpgroups and a TMA warpgroup).
         block_n: output columns per tile (a multiple of 64).
         block_k: contraction step (a multiple of 64).
         num_stages: depth of the TMA ring.
@@ -48,8 +52,8 @@ class MosaicGroupedMatmulConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.block_m != _TILE:
-            raise ValueError(f"block_m={self.block_m} must be {_TILE} (one warpgroup)")
+        if self.block_m not in (_TILE, 2 * _TILE):
+            raise ValueError(f"block_m={self.block_m} must be {_TILE} or {2 * _TILE}")
         for field in ("block_n", "block_k"):
             value = getattr(self, field)
             if value < _TILE or value % _TILE:
@@ -108,10 +112,94 @@ def _gmm_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem,
+                            o_smem, a_bar, b_bar, free, *, cfg):  # fmt: skip
+    """`block_m = 128`: warpgroups 0 and 1 compute 64 rows each; warpgroup 2 feeds them."""
+    t, j, wg = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("wg")
+    g = group_ref[t]
+    bn, bk, stages = cfg.block_n, cfg.block_k, cfg.num_stages
+    steps = jnp.where(live_ref[t] > 0, lhs_ref.shape[1] // bk, 0)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        rows = pl.ds(t * 2 * _TILE + wg * _TILE, _TILE)
+
+        def accumulate(acc):
+            def body(n, carry):
+                slot = lax.rem(n, stages)
+                plgpu.barrier_wait(a_bar.at[2 * slot + wg])
+                plgpu.barrier_wait(b_bar.at[slot])
+                plgpu.wgmma(acc, a_smem.at[slot, wg], b_smem.at[slot])
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            lax.fori_loop(0, steps, body, None)
+            return acc[...]
+
+        out = pl.run_scoped(accumulate, ACC((_TILE, bn), jnp.float32))
+        o_smem.at[wg][...] = out.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[rows, pl.ds(j * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(n, slot):
+            ks = pl.ds(n * bk, bk)
+            for half in range(2):
+                rows = pl.ds(t * 2 * _TILE + half * _TILE, _TILE)
+                plgpu.copy_gmem_to_smem(
+                    lhs_ref.at[rows, ks], a_smem.at[slot, half], a_bar.at[2 * slot + half]
+                )
+            plgpu.copy_gmem_to_smem(
+                rhs_ref.at[g, ks, pl.ds(j * bn, bn)], b_smem.at[slot], b_bar.at[slot]
+            )
+
+        for n in range(stages):
+
+            @pl.when(n < steps)
+            def _(n=n):
+                issue(n, n)
+
+        @pl.loop(stages, jnp.maximum(steps, stages))
+        def _(n):
+            slot = lax.rem(n, stages)
+            plgpu.barrier_wait(free.at[slot])
+            issue(n, slot)
+
+        # Observe the releases of the last steps, whose slots are not refilled.
+        @pl.loop(jnp.maximum(steps - stages, 0), steps)
+        def _(n):
+            plgpu.barrier_wait(free.at[lax.rem(n, stages)])
+
+
 def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
     rows, _ = lhs_p.shape
     n = rhs_p.shape[2]
     dtype, stages = lhs_p.dtype, cfg.num_stages
+    if cfg.block_m == 2 * _TILE:
+        return plgpu.kernel(
+            functools.partial(_gmm_specialized_kernel, cfg=cfg),
+            out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
+            scratch_types=[
+                swizzled((stages, 2, _TILE, cfg.block_k), dtype),
+                swizzled((stages, cfg.block_k, cfg.block_n), dtype),
+                swizzled((2, _TILE, cfg.block_n), out_dtype),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+                plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            ],
+            grid=(rows // cfg.block_m, n // cfg.block_n),
+            grid_names=("m", "n"),
+            num_threads=3,
+            thread_name="wg",
+            compiler_params=COMPILER_PARAMS,
+            interpret=InterpretGPUParams() if cfg.interpret else None,
+        )(lay.tile_group, lay.tile_live, lhs_p, rhs_p)
     return plgpu.kernel(
         functools.partial(_gmm_kernel, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
