@@ -3,6 +3,21 @@
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+_REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
+_WG_THREADS = 128
+MEMORY_REGISTERS = 40  # per thread of a warpgroup that only issues TMA copies
+
+
+def compute_registers(memory_registers: int, compute_warpgroups: int = 2) -> int:
+    """Registers per thread of each compute warpgroup (`setmaxnreg`, FA3's split).
+
+    The TMA warpgroup keeps `memory_registers`; the compute warpgroups share the rest of
+    the register file (a multiple of 8, at most 256). Without the split each of three
+    warpgroups gets an equal 168.
+    """
+    share = (_REGISTER_FILE // _WG_THREADS - memory_registers) // compute_warpgroups
+    return min(256, share // 8 * 8)
+
 
 def swizzled(shape, dtype):
     """A shared-memory buffer in the 128-byte-swizzled tiling that TMA and wgmma share."""

@@ -41,7 +41,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
-from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
+from probjax_eqx.kernels.mosaic._common import (
+    MEMORY_REGISTERS,
+    compute_registers,
+    prefetching_loop,
+    swizzled,
+)
 from probjax_eqx.kernels.mosaic._compat import (
     ACC,
     COMPILER_PARAMS,
@@ -53,8 +58,6 @@ from probjax_eqx.masks import MaskContext
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
 _SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum
-_REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
-_WG_THREADS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +86,7 @@ class MosaicAttentionConfig:
     block_q_dq: int = 64
     block_k_dq: int = 64
     num_stages: int = 2
-    memory_registers: int | None = 40
+    memory_registers: int | None = MEMORY_REGISTERS
     interpret: bool = False
 
     def __post_init__(self):
@@ -105,7 +108,7 @@ class MosaicAttentionConfig:
         """Registers per thread of each forward compute warpgroup (multiple of 8, <= 256)."""
         if self.memory_registers is None:
             return None
-        return min(256, (_REGISTER_FILE // _WG_THREADS - self.memory_registers) // 2 // 8 * 8)
+        return compute_registers(self.memory_registers)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -25,7 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax_eqx.kernels.mosaic._common import prefetching_loop, swizzled
+from probjax_eqx.kernels.mosaic._common import (
+    MEMORY_REGISTERS,
+    compute_registers,
+    prefetching_loop,
+    swizzled,
+)
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
 from probjax_eqx.kernels.triton.grouped_matmul import Layout, PaddedKernels, padded_grouped_matmul
 
@@ -122,7 +127,7 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
         rows = pl.ds(t * 2 * _TILE + wg * _TILE, _TILE)
 
         def accumulate(acc):
@@ -146,7 +151,7 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
         def issue(n, slot):
             ks = pl.ds(n * bk, bk)
