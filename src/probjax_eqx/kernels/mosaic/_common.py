@@ -1,5 +1,7 @@
 """Building blocks shared by our Mosaic GPU kernels."""
 
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -45,3 +47,32 @@ def prefetching_loop(count, issue, wait):
         wait(n)
 
     return prefetch
+
+
+def tma_ring(count, stages: int, parts):
+    """A TMA warpgroup's loop feeding `count` steps through a ring of `stages` slots.
+
+    `parts` are `(free, issue)` pairs: `issue(n, slot)` starts step n's copies of that
+    part into `slot`; `free` holds the per-slot barriers its consumers arrive on once done
+    with the slot. The first `stages` steps go out at once; each later part waits for its
+    slot's release (a part released early refills early); the last releases are observed
+    too, so every barrier completes its phases.
+    """
+    for n in range(stages):
+
+        @pl.when(n < count)
+        def _(n=n):
+            for _, issue in parts:
+                issue(n, n)
+
+    @pl.loop(stages, jnp.maximum(count, stages))
+    def _(n):
+        slot = lax.rem(n, stages)
+        for free, issue in parts:
+            plgpu.barrier_wait(free.at[slot])
+            issue(n, slot)
+
+    @pl.loop(jnp.maximum(count - stages, 0), count)
+    def _(n):
+        for free, _ in parts:
+            plgpu.barrier_wait(free.at[lax.rem(n, stages)])

@@ -46,6 +46,7 @@ from probjax_eqx.kernels.mosaic._common import (
     compute_registers,
     prefetching_loop,
     swizzled,
+    tma_ring,
 )
 from probjax_eqx.kernels.mosaic._compat import (
     ACC,
@@ -305,27 +306,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             for k, (buf, bar) in kv_ids.items():
                 plgpu.copy_gmem_to_smem(op_refs[k].at[b, tile], buf.at[slot], bar.at[slot])
 
-        for n in range(stages):
-
-            @pl.when(n < count)
-            def _(n=n):
-                issue_k(n, n)
-                issue_v(n, n)
-
-        @pl.loop(stages, jnp.maximum(count, stages))
-        def _(n):
-            slot = lax.rem(n, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            issue_k(n, slot)
-            plgpu.barrier_wait(v_free.at[slot])
-            issue_v(n, slot)
-
-        # Observe the releases of the last steps, whose slots are not refilled.
-        @pl.loop(jnp.maximum(count - stages, 0), count)
-        def _(n):
-            slot = lax.rem(n, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        # K is released after the scores, V after P @ V: each refills as soon as it can.
+        tma_ring(count, stages, [(k_free, issue_k), (v_free, issue_v)])
 
 
 def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):

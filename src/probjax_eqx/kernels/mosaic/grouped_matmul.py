@@ -30,6 +30,7 @@ from probjax_eqx.kernels.mosaic._common import (
     compute_registers,
     prefetching_loop,
     swizzled,
+    tma_ring,
 )
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
 from probjax_eqx.kernels.triton.grouped_matmul import Layout, PaddedKernels, padded_grouped_matmul
@@ -164,22 +165,7 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
                 rhs_ref.at[g, ks, pl.ds(j * bn, bn)], b_smem.at[slot], b_bar.at[slot]
             )
 
-        for n in range(stages):
-
-            @pl.when(n < steps)
-            def _(n=n):
-                issue(n, n)
-
-        @pl.loop(stages, jnp.maximum(steps, stages))
-        def _(n):
-            slot = lax.rem(n, stages)
-            plgpu.barrier_wait(free.at[slot])
-            issue(n, slot)
-
-        # Observe the releases of the last steps, whose slots are not refilled.
-        @pl.loop(jnp.maximum(steps - stages, 0), steps)
-        def _(n):
-            plgpu.barrier_wait(free.at[lax.rem(n, stages)])
+        tma_ring(steps, stages, [(free, issue)])
 
 
 def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
