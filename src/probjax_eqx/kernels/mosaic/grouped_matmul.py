@@ -171,38 +171,34 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
 def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
     rows, _ = lhs_p.shape
     n = rhs_p.shape[2]
-    dtype, stages = lhs_p.dtype, cfg.num_stages
-    if cfg.block_m == 2 * _TILE:
-        return plgpu.kernel(
-            functools.partial(_gmm_specialized_kernel, cfg=cfg),
-            out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-            scratch_types=[
-                swizzled((stages, 2, _TILE, cfg.block_k), dtype),
-                swizzled((stages, cfg.block_k, cfg.block_n), dtype),
-                swizzled((2, _TILE, cfg.block_n), out_dtype),
-                plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-                plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            ],
-            grid=(rows // cfg.block_m, n // cfg.block_n),
-            grid_names=("m", "n"),
-            num_threads=3,
-            thread_name="wg",
-            compiler_params=COMPILER_PARAMS,
-            interpret=InterpretGPUParams() if cfg.interpret else None,
-        )(lay.tile_group, lay.tile_live, lhs_p, rhs_p)
-    return plgpu.kernel(
-        functools.partial(_gmm_kernel, cfg=cfg),
-        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-        scratch_types=[
-            swizzled((stages, cfg.block_m, cfg.block_k), dtype),
-            swizzled((stages, cfg.block_k, cfg.block_n), dtype),
-            swizzled((cfg.block_m, cfg.block_n), out_dtype),
+    dtype, stages, bk, bn = lhs_p.dtype, cfg.num_stages, cfg.block_k, cfg.block_n
+    if cfg.block_m == 2 * _TILE:  # two compute warpgroups and a TMA one
+        kernel, threads, thread_name = _gmm_specialized_kernel, 3, "wg"
+        scratch = [
+            swizzled((stages, 2, _TILE, bk), dtype),
+            swizzled((stages, bk, bn), dtype),
+            swizzled((2, _TILE, bn), out_dtype),
             plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-        ],
-        grid=(rows // cfg.block_m, n // cfg.block_n),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ]
+    else:
+        kernel, threads, thread_name = _gmm_kernel, None, None
+        scratch = [
+            swizzled((stages, cfg.block_m, bk), dtype),
+            swizzled((stages, bk, bn), dtype),
+            swizzled((cfg.block_m, bn), out_dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+        ]
+    return plgpu.kernel(
+        functools.partial(kernel, cfg=cfg),
+        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
+        scratch_types=scratch,
+        grid=(rows // cfg.block_m, n // bn),
         grid_names=("m", "n"),
         compiler_params=COMPILER_PARAMS,
+        num_threads=threads,
+        thread_name=thread_name,
         interpret=InterpretGPUParams() if cfg.interpret else None,
     )(lay.tile_group, lay.tile_live, lhs_p, rhs_p)
 
