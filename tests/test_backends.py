@@ -178,3 +178,20 @@ def test_small_heads_route_to_triton_on_sm_90():
     assert choice.kernel == "triton" and "sm_90:small_heads" in choice.reason
     wide = AttentionCall(64, 128, 1024, 4, 4, 64, 64, "bfloat16")
     assert backend.select(wide).kernel == "cudnn"
+
+
+def test_padded_calls_skip_cudnn_on_sm_90():
+    from probjax_eqx.attention_call import AttentionCall
+
+    backend = resolve("attention", device=H200, environ={})
+    terms = (("causal", "top_left"), ("kv_lengths",))
+    train = AttentionCall(2, 512, 512, 8, 8, 128, 128, "bfloat16", terms)
+    choice = backend.select(train)
+    assert choice.kernel == "mosaic" and "sm_90:padded" in choice.reason
+    q_padded = AttentionCall(2, 512, 512, 8, 8, 128, 128, "bfloat16", (("q_lengths",),))
+    assert backend.select(q_padded).kernel == "mosaic"
+    # fp32 is beyond Mosaic: Triton, never cuDNN.
+    fp32 = AttentionCall(2, 512, 512, 8, 8, 128, 128, "float32", (("kv_lengths",),))
+    assert backend.select(fp32).kernel == "triton"
+    # Pinned by name, cuDNN still takes the call.
+    assert resolve("attention", "cudnn", device=H200, environ={}).select(train).kernel == "cudnn"

@@ -66,6 +66,19 @@ def _small_heads(call) -> bool:
 
 register_regime("attention", "small_heads", _small_heads)
 
+# Per-batch KV or query lengths (padding masks): cuDNN's backward returned a dK of about
+# zero for a full-length batch element, intermittently, on the H200 (jax 0.11.2; runs 3
+# and 15 of tests/test_gpu_attention.py::test_triton_agrees_with_cudnn, causal & KV
+# lengths [512, 300]; its output and dQ agreed). Our kernels take these calls instead.
+PADDING_TERMS = frozenset({"kv_lengths", "q_lengths"})
+
+
+def _padded(call) -> bool:
+    return any(term[0] in PADDING_TERMS for term in call.mask_terms)
+
+
+register_regime("attention", "padded", _padded)
+
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 
 

@@ -15,6 +15,7 @@ Registry rules (in priority order, first supported wins):
 | attention | cudnn, mosaic, triton, xla       | triton, xla                 |
 | attention, few queries over long KV | triton (split-KV), cudnn, mosaic, xla | triton, xla |
 | attention, head_dim <= 32 | triton, cudnn, mosaic, xla | triton, xla |
+| attention, KV/Q lengths | mosaic, triton, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
 | ssd, linear_attention | triton, chunked      | triton, chunked             |
@@ -53,6 +54,9 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         "sm_90:few_queries": ("triton", "cudnn", "mosaic", "xla"),
         # Heads of <= 32 dims: the Triton kernel is fastest (attention.SMALL_HEAD_DIM).
         "sm_90:small_heads": ("triton", "cudnn", "mosaic", "xla"),
+        # Padding masks (KV/Q lengths): no cuDNN, whose padded backward was wrong on the
+        # H200 at times (attention.PADDING_TERMS).
+        "sm_90:padded": ("mosaic", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
     "grouped_matmul": {
