@@ -13,6 +13,7 @@ from _parallel import mesh_of, ring
 from _tolerance import assert_close
 from probjax_eqx import Attention, MoE, UnsupportedError, masks
 from probjax_eqx import expert_parallel as ep
+from probjax_eqx import moe as moe_module
 from probjax_eqx.expert_parallel import expert_parallel_moe
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
@@ -150,6 +151,17 @@ def test_expert_parallel_skewed_routing_is_dropless(getkey):
     x = jnp.abs(jax.random.normal(getkey(), (32, 16))) + 0.1  # logits of experts 0-2 >> rest
     y, aux = expert_parallel_moe(moe, x, mesh=mesh_of(expert=4), exchange="gather")
     assert int(aux.tokens_per_expert[:3].sum()) == 32 * 3
+    assert_close(y, moe(x)[0], jnp.float32)
+
+
+def test_expert_parallel_runs_auto_dispatch_that_resolved_to_fused(getkey, monkeypatch):
+    """On GPUs "auto" is fused_gsum on one device; expert parallelism runs it sorted."""
+    monkeypatch.setitem(moe_module.AUTO_DISPATCH, "generic", "fused_gsum")
+    config = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
+    moe = _moe(getkey, dispatch_config=config)
+    assert moe.dispatch_mode == "fused_gsum" and moe.dispatch_request == "auto"
+    x = jax.random.normal(getkey(), (32, 16))
+    y, _ = eqx.filter_jit(expert_parallel_moe)(moe, x, mesh=mesh_of(expert=2), exchange="gather")
     assert_close(y, moe(x)[0], jnp.float32)
 
 

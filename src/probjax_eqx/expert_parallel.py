@@ -142,7 +142,8 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
 
 
 def _refuse_fused(moe: MoE) -> None:
-    if moe.dispatch_mode == "fused_gsum":
+    # Shards run the sorted dispatch; "auto" (fused_gsum on GPUs) is free to.
+    if moe.dispatch_request == "fused_gsum":
         raise UnsupportedError(
             "fused_gsum", "expert parallelism runs the sorted dispatch; build the MoE with "
             "dispatch='auto' (or a grouped-matmul name)"

@@ -330,6 +330,7 @@ class MoE(eqx.Module):
     compute_dtype: str | None = eqx.field(static=True)
     dispatch: Backend = eqx.field(static=True)
     dispatch_mode: str = eqx.field(static=True)
+    dispatch_request: str = eqx.field(static=True)  # as passed: "auto" may become another
     dispatch_config: object = eqx.field(static=True)
 
     def __init__(
@@ -383,6 +384,7 @@ class MoE(eqx.Module):
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self.dispatch = resolve_dispatch(dispatch)
         self.dispatch_mode = auto_dispatch() if dispatch == "auto" else dispatch
+        self.dispatch_request = dispatch
         self.dispatch_config = dispatch_config
 
     @property
