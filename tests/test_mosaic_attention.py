@@ -5,6 +5,8 @@ the forward kernel and both backward kernels. Shapes are small but still exercis
 padding (lengths and head dims off the 64-row tiles), GQA and several tiles per loop.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -58,7 +60,8 @@ def test_several_tiles_unaligned_fp16(getkey, q_len, kv_len, mask):
         dtype=jnp.float16,
     )
     ct = jax.random.normal(getkey(), (1, q_len, 2, 72))
-    check(q, k, v, ct, mask)
+    # FA3's register split (off by default, measured slower on the H200) stays exact.
+    check(q, k, v, ct, mask, dataclasses.replace(CFG, memory_registers=40))
 
 
 def test_rows_without_keys_are_zero(getkey):

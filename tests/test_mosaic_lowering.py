@@ -31,11 +31,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
-def test_attention_kernels_lower(mask):
+@pytest.mark.parametrize("memory_registers", [None, 40])
+def test_attention_kernels_lower(mask, memory_registers):
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 100, 4, 64), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (2, 129, 2, 64), jnp.bfloat16) for kk in keys[1:])
-    config = mosaic_attention.MosaicAttentionConfig()
+    config = mosaic_attention.MosaicAttentionConfig(memory_registers=memory_registers)
     f = functools.partial(
         mosaic_attention.flash_attention, mask=mask, score_mod=None, scale=0.125, config=config
     )
