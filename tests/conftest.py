@@ -44,3 +44,12 @@ def getkey(request):
     # A seed per test so reruns and xdist workers draw the same inputs (`hash` of a str
     # is salted per process, crc32 is not).
     return _KeyGen(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_runtest_logreport(report):
+    # GPU runs get cut by the device's time limit before pytest's summary: with
+    # PROBJAX_FAILURE_LOG set, each failure is written out as it happens.
+    path = os.environ.get("PROBJAX_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
