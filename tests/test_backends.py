@@ -187,11 +187,10 @@ def test_padded_calls_skip_cudnn_on_sm_90():
     terms = (("causal", "top_left"), ("kv_lengths",))
     train = AttentionCall(2, 512, 512, 8, 8, 128, 128, "bfloat16", terms)
     choice = backend.select(train)
-    assert choice.kernel == "mosaic" and "sm_90:padded" in choice.reason
+    assert choice.kernel == "triton" and "sm_90:padded" in choice.reason
     q_padded = AttentionCall(2, 512, 512, 8, 8, 128, 128, "bfloat16", (("q_lengths",),))
-    assert backend.select(q_padded).kernel == "mosaic"
-    # fp32 is beyond Mosaic: Triton, never cuDNN.
-    fp32 = AttentionCall(2, 512, 512, 8, 8, 128, 128, "float32", (("kv_lengths",),))
-    assert backend.select(fp32).kernel == "triton"
+    assert backend.select(q_padded).kernel == "triton"
+    priority = {regime: names for regime, names, _ in backend.regimes}["padded"]
+    assert "cudnn" not in priority and priority.index("mosaic") > priority.index("triton")
     # Pinned by name, cuDNN still takes the call.
     assert resolve("attention", "cudnn", device=H200, environ={}).select(train).kernel == "cudnn"
