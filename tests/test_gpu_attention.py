@@ -212,6 +212,21 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
     check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
 
 
+@pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
+def test_mosaic_two_warpgroup_dkv_on_gpu(getkey, name):
+    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
+
+    mask, lq, lkv = MOSAIC_CASES[name]
+    q, k, v = make_qkv(getkey(), batch=2, q_len=lq, kv_len=lkv, q_heads=8, kv_heads=2,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    config = MosaicAttentionConfig(block_k_dkv=128)
+    f = lambda q, k, v: dot_product_attention(  # noqa: E731
+        q, k, v, mask=mask, implementation="mosaic", config=config
+    )
+    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+
+
 def test_mosaic_fp16_unaligned_head_dim(getkey):
     q, k, v = make_qkv(
         getkey(), batch=1, q_len=300, kv_len=300, q_heads=4, kv_heads=4, qk_dim=80, v_dim=48,

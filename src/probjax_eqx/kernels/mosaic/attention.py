@@ -6,7 +6,8 @@ on shared-memory operands, while a third warpgroup streams K and V tiles with TM
 `num_stages`-deep ring, released by per-slot "consumed" barriers. Backward: a dK/dV kernel
 (one program per key tile, looping over query tiles) and a dQ kernel (one program per
 query tile, looping over key tiles), each prefetching the next tile's operands with TMA
-while it computes the current one.
+while it computes the current one; with `block_k_dkv=128` the dK/dV program instead has
+two compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup.
 
 `wgmma` reads its B operand untransposed from shared memory, so the wrapper passes the
 operands that appear transposed (K in QK^T, Q and dO in the dK/dV kernel, V in dP) as
@@ -42,6 +43,7 @@ from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
+    MEMORY_REGISTERS,
     compute_registers,
     prefetching_loop,
     swizzled,
@@ -68,7 +70,9 @@ class MosaicAttentionConfig:
         block_q: query rows per compute warpgroup in the forward (a program has two).
         block_k: keys per forward step.
         block_q_dkv: query rows per step of the dK/dV kernel.
-        block_k_dkv: keys per dK/dV program.
+        block_k_dkv: keys per dK/dV program: 64 (one warpgroup, prefetching its next query
+            tile) or 128 (two compute warpgroups of 64 keys sharing each query tile, fed by
+            a TMA warpgroup, with FA3's register split).
         block_q_dq: query rows per dQ program.
         block_k_dq: keys per step of the dQ kernel.
         num_stages: depth of the TMA ring of every kernel.
@@ -91,7 +95,9 @@ class MosaicAttentionConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for field in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq", "block_k"):
+        if self.block_k_dkv not in (_WG_ROWS, 2 * _WG_ROWS):
+            raise ValueError(f"block_k_dkv={self.block_k_dkv} must be 64 or 128")
+        for field in ("block_q_dkv", "block_q_dq", "block_k_dq", "block_k"):
             value = getattr(self, field)
             if value < _WG_ROWS or value % _WG_ROWS:
                 raise ValueError(f"{field}={value} must be a positive multiple of {_WG_ROWS}")
@@ -350,9 +356,62 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
     )(q, kt, v, *ranges, *operands)
 
 
+def _query_tile_views(refs, id_refs, b, h, rows):
+    """A dK/dV step's GMEM operands, in the order of the kernels' rings.
+
+    Query tile `rows` of Q, Q^T, dO, dO^T, lse, delta and the query-side segment ids.
+    """
+    q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref = refs
+    return (q_ref.at[b, rows, h], qt_ref.at[b, h, :, rows], do_ref.at[b, rows, h],
+            dot_ref.at[b, h, :, rows], lse_ref.at[b, h, rows], delta_ref.at[b, h, rows],
+            *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
+
+
+def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs, masked):
+    """Add query tile `i`'s share to a warpgroup's dK/dV accumulators (64 keys from key0).
+
+    `ring`: Q, Q^T, dO, dO^T, lse, delta buffers; `tiles`: the keys' K, V and the P^T, dS^T
+    staging buffers; `own` / `step`: segment-id buffers of the keys / the ring.
+    """
+    q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem = ring
+    k_smem, v_smem, pt_smem, dst_smem = tiles
+    dk_acc, dv_acc = accs
+    bq, dtype = st.config.block_q_dkv, q_smem.dtype
+    shape = (_WG_ROWS, bq)  # transposed scores: keys along rows
+    scores_t = _dot(k_smem, qt_smem.at[slot], shape) * (st.scale * LOG2E)
+    if masked:
+        kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+        q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = _mask_of(st, rebuild, scalars, _id_tiles(shape, own, step, slot))
+        valid = _flash.valid_pairs(st.ctx, mask, lax.axis_index("b"), lax.axis_index("h"),
+                                   q_idx, kv_idx)  # fmt: skip
+        scores_t = jnp.where(valid, scores_t, -jnp.inf)
+    pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
+    dpt = _dot(v_smem, dot_smem.at[slot], shape)
+    dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
+    pt_smem[...] = pt.astype(dtype)
+    dst_smem[...] = dst.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
+    plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
+    plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
+
+
+def _store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, keys, b, h):
+    # K and V are no longer needed: their buffers stage the outputs.
+    k_smem[...] = dk.astype(k_smem.dtype)
+    v_smem[...] = dv.astype(v_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dkv_kernel(*refs, st, rebuild):
+    """`block_k_dkv = 64`: one warpgroup prefetches the next query tile while computing."""
     n_ops = len(st.kinds)
-    q_ref, qt_ref, k_ref, v_ref, do_ref, dot_ref, lse_ref, delta_ref = refs[:8]
+    k_ref, v_ref = refs[2:4]
+    sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
     lo_ref, flo_ref, fhi_ref, hi_ref = refs[8:12]
     op_refs = refs[12 : 12 + n_ops]
     dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
@@ -361,14 +420,13 @@ def _dkv_kernel(*refs, st, rebuild):
     # Segment ids: the program's own key ids, and a ring of query ids per step.
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
     own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
-    cfg, dtype = st.config, q_ref.dtype
+    cfg = st.config
     bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages
     j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
     kv_h = lax.div(h, jnp.int32(st.call.groups))
     lo, full_lo, full_hi, hi = lo_ref[b, j], flo_ref[b, j], fhi_ref[b, j], hi_ref[b, j]
     count = hi - lo
     keys = pl.ds(j * bk, bk)
-    shape = (bk, bq)  # transposed scores: keys along rows
     scalars = _scalar_values(st, op_refs, b, h)
 
     @pl.when(count > 0)
@@ -380,67 +438,114 @@ def _dkv_kernel(*refs, st, rebuild):
         for n in range(len(copies)):
             plgpu.barrier_wait(kv_bar.at[n])
 
-    sources = (q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref, *(op_refs[k] for k in q_pos))
-    buffers = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, *step_ids)
-
-    def view(src, n):
-        rows = pl.ds((lo + n) * bq, bq)
-        if src is qt_ref or src is dot_ref:
-            return src.at[b, h, :, rows]
-        if src is lse_ref or src is delta_ref:
-            return src.at[b, h, rows]
-        if len(src.shape) == 2:  # segment ids [batch, q_pad]
-            return src.at[b, rows]
-        return src.at[b, rows, h]
+    ring = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+    buffers = (*ring, *step_ids)
+    id_refs = [op_refs[k] for k in q_pos]
 
     def issue(n):
         slot = lax.rem(n, stages)
-        for k, (src, dst) in enumerate(zip(sources, buffers)):
-            plgpu.copy_gmem_to_smem(view(src, n), dst.at[slot], bars.at[k * stages + slot])
+        views = _query_tile_views(sources, id_refs, b, h, pl.ds((lo + n) * bq, bq))
+        for k, (src, dst) in enumerate(zip(views, buffers)):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
 
     def wait(n):
         slot = lax.rem(n, stages)
-        for k in range(len(sources)):
+        for k in range(len(buffers)):
             plgpu.barrier_wait(bars.at[k * stages + slot])
 
     prefetch = prefetching_loop(count, issue, wait)
+    own, step = list(zip(kv_pos, own_ids)), list(zip(q_pos, step_ids))
 
-    def accumulate(dk_acc, dv_acc):
+    def accumulate(*accs):
         def body(i, carry, masked):
             n = i - lo
-            slot = lax.rem(n, stages)
             prefetch(n)
-            scores_t = _dot(k_smem, qt_smem.at[slot], shape) * (st.scale * LOG2E)
-            if masked:
-                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 0)
-                q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-                own, step = zip(kv_pos, own_ids), zip(q_pos, step_ids)
-                positional = _id_tiles(shape, own, step, slot)
-                mask = _mask_of(st, rebuild, scalars, positional)
-                valid = _flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx)
-                scores_t = jnp.where(valid, scores_t, -jnp.inf)
-            pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
-            dpt = _dot(v_smem, dot_smem.at[slot], shape)
-            dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
-            pt_smem[...] = pt.astype(dtype)
-            dst_smem[...] = dst.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
-            plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
-            plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
+            tiles = (k_smem, v_smem, pt_smem, dst_smem)
+            slot = lax.rem(n, stages)
+            _dkv_step(st, rebuild, scalars, i, j * bk, own, step, ring, slot, tiles, accs, masked)
             return carry
 
         _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
-        return dk_acc[...], dv_acc[...]
+        return tuple(acc[...] for acc in accs)
 
     dk, dv = pl.run_scoped(accumulate, ACC((bk, st.d), jnp.float32), ACC((bk, st.dv), jnp.float32))
-    # K and V are no longer needed: their buffers stage the outputs.
-    k_smem[...] = dk.astype(dtype)
-    v_smem[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
-    plgpu.wait_smem_to_gmem(0)
+    _store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, keys, b, h)
+
+
+def _dkv_specialized_kernel(*refs, st, rebuild):
+    """`block_k_dkv = 128`: two compute warpgroups and a TMA one.
+
+    Warpgroups 0 and 1 own 64 keys each and share every query tile, which warpgroup 2
+    streams in with TMA (FA3's producer / consumer split).
+    """
+    n_ops = len(st.kinds)
+    k_ref, v_ref = refs[2:4]
+    sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
+    lo_ref, flo_ref, fhi_ref, hi_ref = refs[8:12]
+    op_refs = refs[12 : 12 + n_ops]
+    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
+    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+     kv_bar, bars, free, *pos) = refs[14 + n_ops :]  # fmt: skip
+    # Segment ids: per warpgroup its own key ids ([2, 64] a buffer), a ring of query ids.
+    kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
+    own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
+    cfg = st.config
+    bq, stages = cfg.block_q_dkv, cfg.num_stages
+    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    lo, full_lo, full_hi, hi = lo_ref[b, j], flo_ref[b, j], fhi_ref[b, j], hi_ref[b, j]
+    count = hi - lo
+    ring = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+    buffers = (*ring, *step_ids)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
+        key0 = j * (2 * _WG_ROWS) + wg * _WG_ROWS
+        keys = pl.ds(key0, _WG_ROWS)
+        scalars = _scalar_values(st, op_refs, b, h)
+        tiles = (k_smem.at[wg], v_smem.at[wg], pt_smem.at[wg], dst_smem.at[wg])
+
+        @pl.when(count > 0)
+        def _():
+            copies = [(k_ref.at[b, keys, kv_h], tiles[0]), (v_ref.at[b, keys, kv_h], tiles[1])]
+            copies += [(op_refs[k].at[b, keys], buf.at[wg]) for k, buf in zip(kv_pos, own_ids)]
+            for n, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[2 * n + wg])
+            for n in range(len(copies)):
+                plgpu.barrier_wait(kv_bar.at[2 * n + wg])
+
+        own = [(k, buf.at[wg]) for k, buf in zip(kv_pos, own_ids)]
+        step = list(zip(q_pos, step_ids))
+
+        def accumulate(*accs):
+            def body(i, carry, masked):
+                slot = lax.rem(i - lo, stages)
+                for k in range(len(buffers)):
+                    plgpu.barrier_wait(bars.at[k * stages + slot])
+                _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs, masked)
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
+            return tuple(acc[...] for acc in accs)
+
+        accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
+        dk, dv = pl.run_scoped(accumulate, *accs)
+        _store_dkv(dk, dv, tiles[0], tiles[1], dk_ref, dv_ref, keys, b, h)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        id_refs = [op_refs[k] for k in q_pos]
+
+        def issue(n, slot):
+            views = _query_tile_views(sources, id_refs, b, h, pl.ds((lo + n) * bq, bq))
+            for k, (src, dst) in enumerate(zip(views, buffers)):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
+
+        tma_ring(count, stages, [(free, issue)])
 
 
 def _dq_kernel(*refs, st, rebuild):
@@ -532,30 +637,42 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     interpret = InterpretGPUParams() if cfg.interpret else None
     n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+    # block_k_dkv = 128: two compute warpgroups (64 keys each) and a TMA warpgroup.
+    wgs = bk // _WG_ROWS
+    keys = (wgs, _WG_ROWS) if wgs > 1 else (bk,)
+    ring = [
+        swizzled((stages, bq, st.d), dtype),
+        swizzled((stages, st.d, bq), dtype),
+        swizzled((stages, bq, st.dv), dtype),
+        swizzled((stages, st.dv, bq), dtype),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+    ]
+    scratch = [
+        swizzled((*keys, st.d), dtype),
+        swizzled((*keys, st.dv), dtype),
+        *ring,
+        swizzled((*keys, bq), dtype),
+        swizzled((*keys, bq), dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(2 + n_kv_pos) * wgs),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(6 + n_q_pos) * stages),
+        *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
+        *[plgpu.SMEM(keys, jnp.int32)] * n_kv_pos,
+        *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
+    ]
     dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
+        functools.partial(
+            _dkv_specialized_kernel if wgs > 1 else _dkv_kernel, st=st, rebuild=rebuild
+        ),  # fmt: skip
         out_type=(
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.d), dtype),
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.dv), dtype),
         ),
-        scratch_types=[
-            swizzled((bk, st.d), dtype),
-            swizzled((bk, st.dv), dtype),
-            swizzled((stages, bq, st.d), dtype),
-            swizzled((stages, st.d, bq), dtype),
-            swizzled((stages, bq, st.dv), dtype),
-            swizzled((stages, st.dv, bq), dtype),
-            plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((stages, bq), jnp.float32),
-            swizzled((bk, bq), dtype),
-            swizzled((bk, bq), dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 + n_kv_pos),
-            plgpu.Barrier(num_arrivals=1, num_barriers=(6 + n_q_pos) * stages),
-            *[plgpu.SMEM((bk,), jnp.int32)] * n_kv_pos,
-            *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
-        ],
+        scratch_types=scratch,
         grid=(st.kv_pad // bk, heads, batch),
         grid_names=("k", "h", "b"),
+        num_threads=3 if wgs > 1 else None,
+        thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )(q, _transposed(q), k, v, do, _transposed(do), lse, delta, *dkv_ranges, *operands)
