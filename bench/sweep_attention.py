@@ -57,15 +57,18 @@ MOSAIC_FWD = [
     (64, 4, 40),
     (64, 2, None),
 ]
-# Mosaic backward: (keys per dK/dV program, keys per dQ step, ring depth).
-MOSAIC_BWD = [(64, 64, 2), (128, 64, 2), (64, 128, 2), (64, 64, 3), (128, 128, 2)]
+# Mosaic backward: (keys per dK/dV program, rows per dQ program, keys per dQ step, ring
+# depth); 128 keys / rows: two compute warpgroups and a TMA warpgroup.
+MOSAIC_BWD = [(64, 64, 64, 2), (128, 64, 64, 2), (64, 128, 64, 2), (128, 128, 64, 2),
+              (64, 64, 128, 2)]  # fmt: skip
 CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig}
 
 
 def _configs(implementation):
     if implementation == "mosaic":
         out = [("fwd", dict(block_k=b, num_stages=s, memory_registers=r)) for b, s, r in MOSAIC_FWD]
-        out += [("bwd", dict(block_k_dkv=a, block_k_dq=b, num_stages=s)) for a, b, s in MOSAIC_BWD]
+        keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages")
+        out += [("bwd", dict(zip(keys, tiles))) for tiles in MOSAIC_BWD]
         return out
     keys = ("block_q", "block_k", "num_warps", "num_stages", "num_splits")
     out = [("fwd", dict(zip(keys, tiles))) for tiles in FWD]

@@ -67,20 +67,22 @@ def test_several_tiles_unaligned_fp16(getkey, q_len, kv_len, mask):
 @pytest.mark.parametrize(
     "q_len, kv_len, mask",
     [
-        # Two key programs, the second half-empty, and 3 query tiles through the ring.
+        # Two key programs, the second half-empty, 3 query tiles through the dK/dV ring;
+        # two dQ programs, 4 key tiles through theirs.
         (150, 200, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([170]))),
         (70, 130, "segments"),  # each warpgroup's own key ids
     ],
 )
-def test_two_warpgroup_dkv(getkey, q_len, kv_len, mask):
-    """block_k_dkv = 128: two compute warpgroups of 64 keys and a TMA warpgroup."""
+def test_two_warpgroup_backward(getkey, q_len, kv_len, mask):
+    """block_k_dkv = block_q_dq = 128: dK/dV and dQ programs with two compute warpgroups
+    of 64 keys / rows and a TMA warpgroup."""
     if mask == "segments":
         ids = jnp.arange(max(q_len, kv_len)) // 50
         mask = masks.Segments(ids[None, :q_len], ids[None, :kv_len])
     q, k, v = make_qkv(getkey(), batch=1, q_len=q_len, kv_len=kv_len, q_heads=2, kv_heads=1,
                        qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), (1, q_len, 2, 16))
-    check(q, k, v, ct, mask, dataclasses.replace(CFG, block_k_dkv=128))
+    check(q, k, v, ct, mask, dataclasses.replace(CFG, block_k_dkv=128, block_q_dq=128))
 
 
 def test_rows_without_keys_are_zero(getkey):

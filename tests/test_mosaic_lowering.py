@@ -31,8 +31,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
-# FA3's forward register split; the dK/dV kernel with two compute warpgroups.
-@pytest.mark.parametrize("tuned", [{}, dict(memory_registers=40), dict(block_k_dkv=128)])
+# FA3's forward register split; the backward kernels with two compute warpgroups.
+@pytest.mark.parametrize(
+    "tuned", [{}, dict(memory_registers=40), dict(block_k_dkv=128, block_q_dq=128)]
+)
 def test_attention_kernels_lower(mask, tuned):
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 100, 4, 64), jnp.bfloat16)

@@ -7,7 +7,8 @@ on shared-memory operands, while a third warpgroup streams K and V tiles with TM
 (one program per key tile, looping over query tiles) and a dQ kernel (one program per
 query tile, looping over key tiles), each prefetching the next tile's operands with TMA
 while it computes the current one; with `block_k_dkv=128` the dK/dV program instead has
-two compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup.
+two compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup (and
+with `block_q_dq=128` the dQ program: 64 rows each, sharing each key tile).
 
 `wgmma` reads its B operand untransposed from shared memory, so the wrapper passes the
 operands that appear transposed (K in QK^T, Q and dO in the dK/dV kernel, V in dP) as
@@ -73,7 +74,8 @@ class MosaicAttentionConfig:
         block_k_dkv: keys per dK/dV program: 64 (one warpgroup, prefetching its next query
             tile) or 128 (two compute warpgroups of 64 keys sharing each query tile, fed by
             a TMA warpgroup, with FA3's register split).
-        block_q_dq: query rows per dQ program.
+        block_q_dq: query rows per dQ program: 64 (one warpgroup) or 128 (two compute
+            warpgroups of 64 rows sharing each key tile, fed by a TMA warpgroup).
         block_k_dq: keys per step of the dQ kernel.
         num_stages: depth of the TMA ring of every kernel.
         memory_registers: registers per thread of the forward's TMA warpgroup (`setmaxnreg`,
@@ -95,13 +97,14 @@ class MosaicAttentionConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        if self.block_k_dkv not in (_WG_ROWS, 2 * _WG_ROWS):
-            raise ValueError(f"block_k_dkv={self.block_k_dkv} must be 64 or 128")
-        for field in ("block_q_dkv", "block_q_dq", "block_k_dq", "block_k"):
+        for field in ("block_k_dkv", "block_q_dq"):
+            if getattr(self, field) not in (_WG_ROWS, 2 * _WG_ROWS):
+                raise ValueError(f"{field}={getattr(self, field)} must be 64 or 128")
+        for field in ("block_q_dkv", "block_k_dq", "block_k"):
             value = getattr(self, field)
             if value < _WG_ROWS or value % _WG_ROWS:
                 raise ValueError(f"{field}={value} must be a positive multiple of {_WG_ROWS}")
-        for field in ("block_q", "block_q_dkv", "block_q_dq"):
+        for field in ("block_q", "block_q_dkv"):
             if getattr(self, field) != _WG_ROWS:
                 raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
         if self.num_stages < 1:
@@ -548,9 +551,60 @@ def _dkv_specialized_kernel(*refs, st, rebuild):
         tma_ring(count, stages, [(free, issue)])
 
 
+def _key_tile_views(refs, id_refs, b, kv_h, keys):
+    """A dQ step's GMEM operands, in the order of the kernels' rings.
+
+    Key tile `keys` of K^T, K, V^T and the key-side segment ids.
+    """
+    kt_ref, k_ref, vt_ref = refs
+    return (kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys],
+            *(ref.at[b, keys] for ref in id_refs))  # fmt: skip
+
+
+def _row_tile_views(refs, id_refs, b, h, rows):
+    """A dQ program's own GMEM operands: its rows of Q, dO, lse, delta and query ids."""
+    q_ref, do_ref, lse_ref, delta_ref = refs
+    return (q_ref.at[b, rows, h], do_ref.at[b, rows, h], lse_ref.at[b, h, rows],
+            delta_ref.at[b, h, rows], *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
+
+
+def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc, masked):
+    """Add key tile `j`'s share to a warpgroup's dQ accumulator (64 rows from row0).
+
+    `ring`: K^T, K, V^T buffers; `tiles`: the rows' Q, dO, lse, delta and dS staging
+    buffers; `own` / `step`: segment-id buffers of the rows / the ring.
+    """
+    kt_smem, k_smem, vt_smem = ring
+    q_smem, do_smem, lse_smem, delta_smem, ds_smem = tiles
+    bk = st.config.block_k_dq
+    shape = (_WG_ROWS, bk)
+    s = _dot(q_smem, kt_smem.at[slot], shape) * (st.scale * LOG2E)
+    if masked:
+        q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+        kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = _mask_of(st, rebuild, scalars, _id_tiles(shape, own, step, slot))
+        valid = _flash.valid_pairs(st.ctx, mask, lax.axis_index("b"), lax.axis_index("h"),
+                                   q_idx, kv_idx)  # fmt: skip
+        s = jnp.where(valid, s, -jnp.inf)
+    p = jnp.exp2(s - _rows(lse_smem[...], shape))
+    dp = _dot(do_smem, vt_smem.at[slot], shape)
+    ds_smem[...] = (p * (dp - _rows(delta_smem[...], shape)) * st.scale).astype(ds_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
+    plgpu.wgmma_wait(0)
+
+
+def _store_dq(dq, q_smem, dq_ref, rows, b, h):
+    q_smem[...] = dq.astype(q_smem.dtype)  # Q is no longer needed: its buffer stages dQ
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _dq_kernel(*refs, st, rebuild):
+    """`block_q_dq = 64`: one warpgroup prefetches the next key tile while computing."""
     n_ops = len(st.kinds)
-    q_ref, do_ref, lse_ref, delta_ref, kt_ref, k_ref, vt_ref = refs[:7]
+    sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
     lo_ref, flo_ref, fhi_ref, hi_ref = refs[7:11]
     op_refs = refs[11 : 11 + n_ops]
     dq_ref = refs[11 + n_ops]
@@ -559,7 +613,7 @@ def _dq_kernel(*refs, st, rebuild):
     # Segment ids: the program's own query ids, and a ring of key ids per step.
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
     own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
-    cfg, dtype = st.config, q_ref.dtype
+    cfg = st.config
     bq, bk, stages = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages
     i = _flash.last_first(lax.axis_index("q"), st.q_pad // bq)
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -567,61 +621,117 @@ def _dq_kernel(*refs, st, rebuild):
     lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
     count = hi - lo
     rows = pl.ds(i * bq, bq)
-    shape = (bq, bk)
     scalars = _scalar_values(st, op_refs, b, h)
-    own = ((q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
-           (lse_ref.at[b, h, rows], lse_smem), (delta_ref.at[b, h, rows], delta_smem),
-           *((op_refs[k].at[b, rows], buf) for k, buf in zip(q_pos, own_ids)))  # fmt: skip
-    for k, (src, dst) in enumerate(own):
+    tiles = (q_smem, do_smem, lse_smem, delta_smem, ds_smem)
+    own_views = _row_tile_views(refs[:4], [op_refs[k] for k in q_pos], b, h, rows)
+    own_copies = list(zip(own_views, (*tiles[:4], *own_ids)))
+    for k, (src, dst) in enumerate(own_copies):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[k])
-    for k in range(len(own)):
+    for k in range(len(own_copies)):
         plgpu.barrier_wait(q_bar.at[k])
+    ring = (kt_smem, k_smem, vt_smem)
+    buffers = (*ring, *step_ids)
+    id_refs = [op_refs[k] for k in kv_pos]
 
     def issue(n):
         slot = lax.rem(n, stages)
-        keys = pl.ds((lo + n) * bk, bk)
-        views = [kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys]]
-        views += [op_refs[k].at[b, keys] for k in kv_pos]
-        for k, (src, dst) in enumerate(zip(views, (kt_smem, k_smem, vt_smem, *step_ids))):
+        views = _key_tile_views(sources, id_refs, b, kv_h, pl.ds((lo + n) * bk, bk))
+        for k, (src, dst) in enumerate(zip(views, buffers)):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
 
     def wait(n):
         slot = lax.rem(n, stages)
-        for k in range(3 + len(kv_pos)):
+        for k in range(len(buffers)):
             plgpu.barrier_wait(bars.at[k * stages + slot])
 
     prefetch = prefetching_loop(count, issue, wait)
-    lse, delta = lse_smem[...], delta_smem[...]
+    own, step = list(zip(q_pos, own_ids)), list(zip(kv_pos, step_ids))
 
     def accumulate(dq_acc):
         def body(j, carry, masked):
             n = j - lo
-            slot = lax.rem(n, stages)
             prefetch(n)
-            s = _dot(q_smem, kt_smem.at[slot], shape) * (st.scale * LOG2E)
-            if masked:
-                q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 0)
-                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-                own, step = zip(q_pos, own_ids), zip(kv_pos, step_ids)
-                positional = _id_tiles(shape, own, step, slot)
-                mask = _mask_of(st, rebuild, scalars, positional)
-                s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
-            p = jnp.exp2(s - _rows(lse, shape))
-            dp = _dot(do_smem, vt_smem.at[slot], shape)
-            ds_smem[...] = (p * (dp - _rows(delta, shape)) * st.scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
-            plgpu.wgmma_wait(0)
+            slot = lax.rem(n, stages)
+            _dq_step(st, rebuild, scalars, j, i * bq, own, step, ring, slot, tiles, dq_acc, masked)
             return carry
 
         _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
         return dq_acc[...]
 
     dq = pl.run_scoped(accumulate, ACC((bq, st.d), jnp.float32))
-    q_smem[...] = dq.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
-    plgpu.wait_smem_to_gmem(0)
+    _store_dq(dq, q_smem, dq_ref, rows, b, h)
+
+
+def _dq_specialized_kernel(*refs, st, rebuild):
+    """`block_q_dq = 128`: two compute warpgroups and a TMA one.
+
+    Warpgroups 0 and 1 own 64 query rows each and share every key tile, which warpgroup
+    2 streams in with TMA.
+    """
+    n_ops = len(st.kinds)
+    sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
+    lo_ref, flo_ref, fhi_ref, hi_ref = refs[7:11]
+    op_refs = refs[11 : 11 + n_ops]
+    dq_ref = refs[11 + n_ops]
+    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
+     bars, free, *pos) = refs[12 + n_ops :]  # fmt: skip
+    # Segment ids: per warpgroup its own query ids ([2, 64] a buffer), a ring of key ids.
+    q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
+    own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
+    cfg = st.config
+    bk, stages = cfg.block_k_dq, cfg.num_stages
+    i = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * _WG_ROWS))
+    h, b, wg = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("wg")
+    lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
+    count = hi - lo
+    ring = (kt_smem, k_smem, vt_smem)
+    buffers = (*ring, *step_ids)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
+        row0 = i * (2 * _WG_ROWS) + wg * _WG_ROWS
+        rows = pl.ds(row0, _WG_ROWS)
+        scalars = _scalar_values(st, op_refs, b, h)
+        tiles = tuple(buf.at[wg] for buf in (q_smem, do_smem, lse_smem, delta_smem, ds_smem))
+        own_views = _row_tile_views(refs[:4], [op_refs[k] for k in q_pos], b, h, rows)
+        own_copies = list(zip(own_views, (*tiles[:4], *(buf.at[wg] for buf in own_ids))))
+        for k, (src, dst) in enumerate(own_copies):
+            plgpu.copy_gmem_to_smem(src, dst, q_bar.at[2 * k + wg])
+        for k in range(len(own_copies)):
+            plgpu.barrier_wait(q_bar.at[2 * k + wg])
+        own = [(k, buf.at[wg]) for k, buf in zip(q_pos, own_ids)]
+        step = list(zip(kv_pos, step_ids))
+
+        def accumulate(dq_acc):
+            def body(j, carry, masked):
+                slot = lax.rem(j - lo, stages)
+                for k in range(len(buffers)):
+                    plgpu.barrier_wait(bars.at[k * stages + slot])
+                _dq_step(
+                    st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc, masked
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
+            return dq_acc[...]
+
+        dq = pl.run_scoped(accumulate, ACC((_WG_ROWS, st.d), jnp.float32))
+        _store_dq(dq, tiles[0], dq_ref, rows, b, h)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        kv_h = lax.div(h, jnp.int32(st.call.groups))
+        id_refs = [op_refs[k] for k in kv_pos]
+
+        def issue(n, slot):
+            views = _key_tile_views(sources, id_refs, b, kv_h, pl.ds((lo + n) * bk, bk))
+            for k, (src, dst) in enumerate(zip(views, buffers)):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
+
+        tma_ring(count, stages, [(free, issue)])
 
 
 def _transposed(x):
@@ -681,25 +791,33 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     dk = dk.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.d).sum(3)
     dv = dv.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.dv).sum(3)
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
+    # block_q_dq = 128: two compute warpgroups (64 rows each) and a TMA warpgroup.
+    wgs = bq // _WG_ROWS
+    rows = (wgs, _WG_ROWS) if wgs > 1 else (bq,)
     dq = plgpu.kernel(
-        functools.partial(_dq_kernel, st=st, rebuild=rebuild),
+        functools.partial(
+            _dq_specialized_kernel if wgs > 1 else _dq_kernel, st=st, rebuild=rebuild
+        ),  # fmt: skip
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[
-            swizzled((bq, st.d), dtype),
-            swizzled((bq, st.dv), dtype),
-            plgpu.SMEM((bq,), jnp.float32),
-            plgpu.SMEM((bq,), jnp.float32),
+            swizzled((*rows, st.d), dtype),
+            swizzled((*rows, st.dv), dtype),
+            plgpu.SMEM(rows, jnp.float32),
+            plgpu.SMEM(rows, jnp.float32),
             swizzled((stages, st.d, bk), dtype),
             swizzled((stages, bk, st.d), dtype),
             swizzled((stages, st.dv, bk), dtype),
-            swizzled((bq, bk), dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=4 + n_q_pos),
+            swizzled((*rows, bk), dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=(4 + n_q_pos) * wgs),
             plgpu.Barrier(num_arrivals=1, num_barriers=(3 + n_kv_pos) * stages),
-            *[plgpu.SMEM((bq,), jnp.int32)] * n_q_pos,
+            *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
+            *[plgpu.SMEM(rows, jnp.int32)] * n_q_pos,
             *[plgpu.SMEM((stages, bk), jnp.int32)] * n_kv_pos,
         ],
         grid=(st.q_pad // bq, heads, batch),
         grid_names=("q", "h", "b"),
+        num_threads=3 if wgs > 1 else None,
+        thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )(q, do, lse, delta, _transposed(k), k, _transposed(v), *dq_ranges, *operands)
