@@ -33,6 +33,7 @@ must still meet the bf16 gradient tolerance.
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,13 @@ def _id_tiles(shape, own, step, slot):
     return tiles
 
 
+def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, slot):
+    """Scores `s` with the pairs the mask rejects at -inf (`_id_tiles` for own / step)."""
+    mask = _mask_of(st, rebuild, scalars, _id_tiles(s.shape, own, step, slot))
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    return jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+
+
 def _positional(st: _Static, kind: str) -> list[int]:
     return [k for k, x in enumerate(st.kinds) if x == kind]
 
@@ -261,11 +269,9 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             if masked:
                 own = [(k, buf.at[wg]) for k, (buf, _) in q_ids.items()]
                 step = [(k, buf) for k, (buf, _) in kv_ids.items()]
-                positional = _id_tiles(shape, own, step, slot)
-                mask = _mask_of(st, rebuild, scalars, positional)
                 q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-                s = jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+                s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
             # The scale rides in exp2's argument (one FMA an element, no separate multiply);
             # the running max `m` is kept in scaled base-2 units.
             m_new = jnp.maximum(m, s.max(axis=1) * c)
@@ -385,10 +391,7 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
     if masked:
         kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
         q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-        mask = _mask_of(st, rebuild, scalars, _id_tiles(shape, own, step, slot))
-        valid = _flash.valid_pairs(st.ctx, mask, lax.axis_index("b"), lax.axis_index("h"),
-                                   q_idx, kv_idx)  # fmt: skip
-        scores_t = jnp.where(valid, scores_t, -jnp.inf)
+        scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot)
     pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
     dpt = _dot(v_smem, dot_smem.at[slot], shape)
     dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
@@ -410,145 +413,143 @@ def _store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, keys, b, h):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_kernel(*refs, st, rebuild):
-    """`block_k_dkv = 64`: one warpgroup prefetches the next query tile while computing."""
-    n_ops = len(st.kinds)
-    k_ref, v_ref = refs[2:4]
-    sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
-    lo_ref, flo_ref, fhi_ref, hi_ref = refs[8:12]
-    op_refs = refs[12 : 12 + n_ops]
-    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
-    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
-     kv_bar, bars, *pos) = refs[14 + n_ops :]  # fmt: skip
-    # Segment ids: the program's own key ids, and a ring of query ids per step.
-    kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
-    own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
-    cfg = st.config
-    bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages
-    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
-    kv_h = lax.div(h, jnp.int32(st.call.groups))
-    lo, full_lo, full_hi, hi = lo_ref[b, j], flo_ref[b, j], fhi_ref[b, j], hi_ref[b, j]
-    count = hi - lo
-    keys = pl.ds(j * bk, bk)
-    scalars = _scalar_values(st, op_refs, b, h)
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """A backward kernel's per-step operand buffers.
 
-    @pl.when(count > 0)
-    def _():
-        copies = [(k_ref.at[b, keys, kv_h], k_smem), (v_ref.at[b, keys, kv_h], v_smem)]
-        copies += [(op_refs[k].at[b, keys], buf) for k, buf in zip(kv_pos, own_ids)]
-        for n, (src, dst) in enumerate(copies):
-            plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[n])
-        for n in range(len(copies)):
-            plgpu.barrier_wait(kv_bar.at[n])
-
-    ring = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
-    buffers = (*ring, *step_ids)
-    id_refs = [op_refs[k] for k in q_pos]
-
-    def issue(n):
-        slot = lax.rem(n, stages)
-        views = _query_tile_views(sources, id_refs, b, h, pl.ds((lo + n) * bq, bq))
-        for k, (src, dst) in enumerate(zip(views, buffers)):
-            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
-
-    def wait(n):
-        slot = lax.rem(n, stages)
-        for k in range(len(buffers)):
-            plgpu.barrier_wait(bars.at[k * stages + slot])
-
-    prefetch = prefetching_loop(count, issue, wait)
-    own, step = list(zip(kv_pos, own_ids)), list(zip(q_pos, step_ids))
-
-    def accumulate(*accs):
-        def body(i, carry, masked):
-            n = i - lo
-            prefetch(n)
-            tiles = (k_smem, v_smem, pt_smem, dst_smem)
-            slot = lax.rem(n, stages)
-            _dkv_step(st, rebuild, scalars, i, j * bk, own, step, ring, slot, tiles, accs, masked)
-            return carry
-
-        _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
-        return tuple(acc[...] for acc in accs)
-
-    dk, dv = pl.run_scoped(accumulate, ACC((bk, st.d), jnp.float32), ACC((bk, st.dv), jnp.float32))
-    _store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, keys, b, h)
-
-
-def _dkv_specialized_kernel(*refs, st, rebuild):
-    """`block_k_dkv = 128`: two compute warpgroups and a TMA one.
-
-    Warpgroups 0 and 1 own 64 keys each and share every query tile, which warpgroup 2
-    streams in with TMA (FA3's producer / consumer split).
+    `buffers[k].at[slot]` is filled by TMA with completion barrier `bars.at[k * stages +
+    slot]`. With `free` (two compute warpgroups) each compute warpgroup releases a slot on
+    `free.at[slot]`.
     """
-    n_ops = len(st.kinds)
-    k_ref, v_ref = refs[2:4]
-    sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
-    lo_ref, flo_ref, fhi_ref, hi_ref = refs[8:12]
-    op_refs = refs[12 : 12 + n_ops]
-    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
-    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
-     kv_bar, bars, free, *pos) = refs[14 + n_ops :]  # fmt: skip
-    # Segment ids: per warpgroup its own key ids ([2, 64] a buffer), a ring of query ids.
-    kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
-    own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
-    cfg = st.config
-    bq, stages = cfg.block_q_dkv, cfg.num_stages
-    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+
+    buffers: tuple
+    bars: Any
+    stages: int
+    free: Any = None
+
+    def issue(self, views, slot):
+        for k, (src, dst) in enumerate(zip(views, self.buffers)):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], self.bars.at[k * self.stages + slot])
+
+    def wait(self, slot):
+        for k in range(len(self.buffers)):
+            plgpu.barrier_wait(self.bars.at[k * self.stages + slot])
+
+
+def _backward_program(ring: _Ring, ranges, views_of, compute):
+    """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
+
+    `compute(loop, wg)` holds the accumulators and calls `loop(step)`, which runs
+    `step(i, slot, masked)` for every tile i with its operands (`views_of(i)`) in ring
+    slot `slot`. Without `ring.free` one warpgroup (wg None) prefetches the next tile's
+    operands before computing the current one; with it, warpgroups 0 and 1 compute
+    (wg 0, 1) while warpgroup 2 streams the operands through the ring (`tma_ring`),
+    with FA3's register split.
+    """
+    lo, stages = ranges[0], ring.stages
+    count = ranges[3] - lo
+
+    def loop_with(before, after):
+        def loop(step):
+            def body(i, carry, masked):
+                slot = lax.rem(i - lo, stages)
+                before(i - lo, slot)
+                step(i, slot, masked)
+                after(slot)
+                return carry
+
+            _flash.tile_loop(ranges, body, None)
+
+        return loop
+
+    if ring.free is None:
+        prefetch = prefetching_loop(
+            count,
+            lambda n: ring.issue(views_of(lo + n), lax.rem(n, stages)),
+            lambda n: ring.wait(lax.rem(n, stages)),
+        )
+        compute(loop_with(lambda n, slot: prefetch(n), lambda slot: None), None)
+        return
     wg = lax.axis_index("wg")
-    kv_h = lax.div(h, jnp.int32(st.call.groups))
-    lo, full_lo, full_hi, hi = lo_ref[b, j], flo_ref[b, j], fhi_ref[b, j], hi_ref[b, j]
-    count = hi - lo
-    ring = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
-    buffers = (*ring, *step_ids)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
-        key0 = j * (2 * _WG_ROWS) + wg * _WG_ROWS
+        release = lambda slot: plgpu.barrier_arrive(ring.free.at[slot])  # noqa: E731
+        compute(loop_with(lambda n, slot: ring.wait(slot), release), wg)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        tma_ring(count, stages, [(ring.free, lambda n, slot: ring.issue(views_of(lo + n), slot))])
+
+
+def _own_part(wg):
+    """A compute warpgroup's part of a program-wide buffer, and its index among barriers."""
+    if wg is None:
+        return (lambda buf: buf), (lambda n: n)
+    return (lambda buf: buf.at[wg]), (lambda n: 2 * n + wg)
+
+
+def _dkv_kernel(*refs, st, rebuild):
+    """One dK/dV program: `block_k_dkv` keys against each query tile of its range.
+
+    64 keys: one warpgroup; 128: two compute warpgroups of 64 keys sharing each query
+    tile, fed by a TMA warpgroup (`_backward_program`).
+    """
+    n_ops = len(st.kinds)
+    k_ref, v_ref = refs[2:4]
+    sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
+    op_refs = refs[12 : 12 + n_ops]
+    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
+    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+     kv_bar, bars, *rest) = refs[14 + n_ops :]  # fmt: skip
+    cfg = st.config
+    free, pos = (rest[0], rest[1:]) if cfg.block_k_dkv > _WG_ROWS else (None, rest)
+    # Segment ids: the program's own key ids, and a ring of query ids per step.
+    kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
+    own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
+    bq = cfg.block_q_dkv
+    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    ranges = tuple(ref[b, j] for ref in refs[8:12])
+    operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
+    ring = _Ring((*operands, *step_ids), bars, cfg.num_stages, free)
+    id_refs = [op_refs[k] for k in q_pos]
+
+    def views_of(i):
+        return _query_tile_views(sources, id_refs, b, h, pl.ds(i * bq, bq))
+
+    def compute(loop, wg):
+        part, bar_of = _own_part(wg)
+        key0 = j * cfg.block_k_dkv + (0 if wg is None else wg * _WG_ROWS)
         keys = pl.ds(key0, _WG_ROWS)
         scalars = _scalar_values(st, op_refs, b, h)
-        tiles = (k_smem.at[wg], v_smem.at[wg], pt_smem.at[wg], dst_smem.at[wg])
+        tiles = tuple(part(buf) for buf in (k_smem, v_smem, pt_smem, dst_smem))
+        own = [(k, part(buf)) for k, buf in zip(kv_pos, own_ids)]
 
-        @pl.when(count > 0)
+        @pl.when(ranges[3] > ranges[0])
         def _():
             copies = [(k_ref.at[b, keys, kv_h], tiles[0]), (v_ref.at[b, keys, kv_h], tiles[1])]
-            copies += [(op_refs[k].at[b, keys], buf.at[wg]) for k, buf in zip(kv_pos, own_ids)]
+            copies += [(op_refs[k].at[b, keys], buf) for k, buf in own]
             for n, (src, dst) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[2 * n + wg])
+                plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[bar_of(n)])
             for n in range(len(copies)):
-                plgpu.barrier_wait(kv_bar.at[2 * n + wg])
+                plgpu.barrier_wait(kv_bar.at[bar_of(n)])
 
-        own = [(k, buf.at[wg]) for k, buf in zip(kv_pos, own_ids)]
         step = list(zip(q_pos, step_ids))
 
         def accumulate(*accs):
-            def body(i, carry, masked):
-                slot = lax.rem(i - lo, stages)
-                for k in range(len(buffers)):
-                    plgpu.barrier_wait(bars.at[k * stages + slot])
-                _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs, masked)
-                plgpu.barrier_arrive(free.at[slot])
-                return carry
-
-            _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
+            loop(lambda i, slot, masked: _dkv_step(
+                st, rebuild, scalars, i, key0, own, step, operands, slot, tiles, accs, masked
+            ))  # fmt: skip
             return tuple(acc[...] for acc in accs)
 
         accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
         dk, dv = pl.run_scoped(accumulate, *accs)
         _store_dkv(dk, dv, tiles[0], tiles[1], dk_ref, dv_ref, keys, b, h)
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        id_refs = [op_refs[k] for k in q_pos]
-
-        def issue(n, slot):
-            views = _query_tile_views(sources, id_refs, b, h, pl.ds((lo + n) * bq, bq))
-            for k, (src, dst) in enumerate(zip(views, buffers)):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
-
-        tma_ring(count, stages, [(free, issue)])
+    _backward_program(ring, ranges, views_of, compute)
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys):
@@ -582,10 +583,7 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     if masked:
         q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
         kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-        mask = _mask_of(st, rebuild, scalars, _id_tiles(shape, own, step, slot))
-        valid = _flash.valid_pairs(st.ctx, mask, lax.axis_index("b"), lax.axis_index("h"),
-                                   q_idx, kv_idx)  # fmt: skip
-        s = jnp.where(valid, s, -jnp.inf)
+        s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
     p = jnp.exp2(s - _rows(lse_smem[...], shape))
     dp = _dot(do_smem, vt_smem.at[slot], shape)
     ds_smem[...] = (p * (dp - _rows(delta_smem[...], shape)) * st.scale).astype(ds_smem.dtype)
@@ -602,136 +600,59 @@ def _store_dq(dq, q_smem, dq_ref, rows, b, h):
 
 
 def _dq_kernel(*refs, st, rebuild):
-    """`block_q_dq = 64`: one warpgroup prefetches the next key tile while computing."""
-    n_ops = len(st.kinds)
-    sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
-    lo_ref, flo_ref, fhi_ref, hi_ref = refs[7:11]
-    op_refs = refs[11 : 11 + n_ops]
-    dq_ref = refs[11 + n_ops]
-    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
-     bars, *pos) = refs[12 + n_ops :]  # fmt: skip
-    # Segment ids: the program's own query ids, and a ring of key ids per step.
-    q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
-    own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
-    cfg = st.config
-    bq, bk, stages = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages
-    i = _flash.last_first(lax.axis_index("q"), st.q_pad // bq)
-    h, b = lax.axis_index("h"), lax.axis_index("b")
-    kv_h = lax.div(h, jnp.int32(st.call.groups))
-    lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
-    count = hi - lo
-    rows = pl.ds(i * bq, bq)
-    scalars = _scalar_values(st, op_refs, b, h)
-    tiles = (q_smem, do_smem, lse_smem, delta_smem, ds_smem)
-    own_views = _row_tile_views(refs[:4], [op_refs[k] for k in q_pos], b, h, rows)
-    own_copies = list(zip(own_views, (*tiles[:4], *own_ids)))
-    for k, (src, dst) in enumerate(own_copies):
-        plgpu.copy_gmem_to_smem(src, dst, q_bar.at[k])
-    for k in range(len(own_copies)):
-        plgpu.barrier_wait(q_bar.at[k])
-    ring = (kt_smem, k_smem, vt_smem)
-    buffers = (*ring, *step_ids)
-    id_refs = [op_refs[k] for k in kv_pos]
+    """One dQ program: `block_q_dq` query rows against each key tile of its range.
 
-    def issue(n):
-        slot = lax.rem(n, stages)
-        views = _key_tile_views(sources, id_refs, b, kv_h, pl.ds((lo + n) * bk, bk))
-        for k, (src, dst) in enumerate(zip(views, buffers)):
-            plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
-
-    def wait(n):
-        slot = lax.rem(n, stages)
-        for k in range(len(buffers)):
-            plgpu.barrier_wait(bars.at[k * stages + slot])
-
-    prefetch = prefetching_loop(count, issue, wait)
-    own, step = list(zip(q_pos, own_ids)), list(zip(kv_pos, step_ids))
-
-    def accumulate(dq_acc):
-        def body(j, carry, masked):
-            n = j - lo
-            prefetch(n)
-            slot = lax.rem(n, stages)
-            _dq_step(st, rebuild, scalars, j, i * bq, own, step, ring, slot, tiles, dq_acc, masked)
-            return carry
-
-        _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
-        return dq_acc[...]
-
-    dq = pl.run_scoped(accumulate, ACC((bq, st.d), jnp.float32))
-    _store_dq(dq, q_smem, dq_ref, rows, b, h)
-
-
-def _dq_specialized_kernel(*refs, st, rebuild):
-    """`block_q_dq = 128`: two compute warpgroups and a TMA one.
-
-    Warpgroups 0 and 1 own 64 query rows each and share every key tile, which warpgroup
-    2 streams in with TMA.
+    64 rows: one warpgroup; 128: two compute warpgroups of 64 rows sharing each key tile,
+    fed by a TMA warpgroup (`_backward_program`).
     """
     n_ops = len(st.kinds)
     sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
-    lo_ref, flo_ref, fhi_ref, hi_ref = refs[7:11]
     op_refs = refs[11 : 11 + n_ops]
     dq_ref = refs[11 + n_ops]
     (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
-     bars, free, *pos) = refs[12 + n_ops :]  # fmt: skip
-    # Segment ids: per warpgroup its own query ids ([2, 64] a buffer), a ring of key ids.
+     bars, *rest) = refs[12 + n_ops :]  # fmt: skip
+    cfg = st.config
+    free, pos = (rest[0], rest[1:]) if cfg.block_q_dq > _WG_ROWS else (None, rest)
+    # Segment ids: the program's own query ids, and a ring of key ids per step.
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
     own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
-    cfg = st.config
-    bk, stages = cfg.block_k_dq, cfg.num_stages
-    i = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * _WG_ROWS))
-    h, b, wg = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("wg")
-    lo, full_lo, full_hi, hi = lo_ref[b, i], flo_ref[b, i], fhi_ref[b, i], hi_ref[b, i]
-    count = hi - lo
-    ring = (kt_smem, k_smem, vt_smem)
-    buffers = (*ring, *step_ids)
+    bk = cfg.block_k_dq
+    i = _flash.last_first(lax.axis_index("q"), st.q_pad // cfg.block_q_dq)
+    h, b = lax.axis_index("h"), lax.axis_index("b")
+    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    ranges = tuple(ref[b, i] for ref in refs[7:11])
+    operands = (kt_smem, k_smem, vt_smem)
+    ring = _Ring((*operands, *step_ids), bars, cfg.num_stages, free)
+    id_refs = [op_refs[k] for k in kv_pos]
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
-        row0 = i * (2 * _WG_ROWS) + wg * _WG_ROWS
+    def views_of(j):
+        return _key_tile_views(sources, id_refs, b, kv_h, pl.ds(j * bk, bk))
+
+    def compute(loop, wg):
+        part, bar_of = _own_part(wg)
+        row0 = i * cfg.block_q_dq + (0 if wg is None else wg * _WG_ROWS)
         rows = pl.ds(row0, _WG_ROWS)
         scalars = _scalar_values(st, op_refs, b, h)
-        tiles = tuple(buf.at[wg] for buf in (q_smem, do_smem, lse_smem, delta_smem, ds_smem))
+        tiles = tuple(part(buf) for buf in (q_smem, do_smem, lse_smem, delta_smem, ds_smem))
+        own = [(k, part(buf)) for k, buf in zip(q_pos, own_ids)]
         own_views = _row_tile_views(refs[:4], [op_refs[k] for k in q_pos], b, h, rows)
-        own_copies = list(zip(own_views, (*tiles[:4], *(buf.at[wg] for buf in own_ids))))
-        for k, (src, dst) in enumerate(own_copies):
-            plgpu.copy_gmem_to_smem(src, dst, q_bar.at[2 * k + wg])
-        for k in range(len(own_copies)):
-            plgpu.barrier_wait(q_bar.at[2 * k + wg])
-        own = [(k, buf.at[wg]) for k, buf in zip(q_pos, own_ids)]
+        copies = list(zip(own_views, (*tiles[:4], *(buf for _, buf in own))))
+        for n, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, q_bar.at[bar_of(n)])
+        for n in range(len(copies)):
+            plgpu.barrier_wait(q_bar.at[bar_of(n)])
         step = list(zip(kv_pos, step_ids))
 
         def accumulate(dq_acc):
-            def body(j, carry, masked):
-                slot = lax.rem(j - lo, stages)
-                for k in range(len(buffers)):
-                    plgpu.barrier_wait(bars.at[k * stages + slot])
-                _dq_step(
-                    st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc, masked
-                )
-                plgpu.barrier_arrive(free.at[slot])
-                return carry
-
-            _flash.tile_loop((lo, full_lo, full_hi, hi), body, None)
+            loop(lambda j, slot, masked: _dq_step(
+                st, rebuild, scalars, j, row0, own, step, operands, slot, tiles, dq_acc, masked
+            ))  # fmt: skip
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, ACC((_WG_ROWS, st.d), jnp.float32))
         _store_dq(dq, tiles[0], dq_ref, rows, b, h)
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        kv_h = lax.div(h, jnp.int32(st.call.groups))
-        id_refs = [op_refs[k] for k in kv_pos]
-
-        def issue(n, slot):
-            views = _key_tile_views(sources, id_refs, b, kv_h, pl.ds((lo + n) * bk, bk))
-            for k, (src, dst) in enumerate(zip(views, buffers)):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[k * stages + slot])
-
-        tma_ring(count, stages, [(free, issue)])
+    _backward_program(ring, ranges, views_of, compute)
 
 
 def _transposed(x):
@@ -771,9 +692,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
     ]
     dk, dv = plgpu.kernel(
-        functools.partial(
-            _dkv_specialized_kernel if wgs > 1 else _dkv_kernel, st=st, rebuild=rebuild
-        ),  # fmt: skip
+        functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
         out_type=(
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.d), dtype),
             jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.dv), dtype),
@@ -795,9 +714,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     wgs = bq // _WG_ROWS
     rows = (wgs, _WG_ROWS) if wgs > 1 else (bq,)
     dq = plgpu.kernel(
-        functools.partial(
-            _dq_specialized_kernel if wgs > 1 else _dq_kernel, st=st, rebuild=rebuild
-        ),  # fmt: skip
+        functools.partial(_dq_kernel, st=st, rebuild=rebuild),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[
             swizzled((*rows, st.d), dtype),
