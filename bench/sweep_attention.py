@@ -47,15 +47,15 @@ BWD = [
 ]
 
 
-# Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers).
+# Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers, ping-pong).
 MOSAIC_FWD = [
-    (128, 2, 40),
-    (128, 2, None),
-    (128, 3, 40),
-    (64, 2, 40),
-    (64, 3, 40),
-    (64, 4, 40),
-    (64, 2, None),
+    (128, 2, None, False),
+    (128, 2, None, True),
+    (128, 2, 40, False),
+    (128, 2, 40, True),
+    (64, 3, None, False),
+    (64, 3, None, True),
+    (64, 3, 40, True),
 ]
 # Mosaic backward: (keys per dK/dV program, rows per dQ program, keys per dQ step, ring
 # depth); 128 keys / rows: two compute warpgroups and a TMA warpgroup.
@@ -66,7 +66,8 @@ CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig
 
 def _configs(implementation):
     if implementation == "mosaic":
-        out = [("fwd", dict(block_k=b, num_stages=s, memory_registers=r)) for b, s, r in MOSAIC_FWD]
+        keys = ("block_k", "num_stages", "memory_registers", "pingpong")
+        out = [("fwd", dict(zip(keys, tiles))) for tiles in MOSAIC_FWD]
         keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages")
         out += [("bwd", dict(zip(keys, tiles))) for tiles in MOSAIC_BWD]
         return out

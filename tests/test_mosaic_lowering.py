@@ -31,9 +31,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
-# FA3's forward register split; the backward kernels with two compute warpgroups.
+# FA3's forward register split and ping-pong; the backward's two compute warpgroups.
 @pytest.mark.parametrize(
-    "tuned", [{}, dict(memory_registers=40), dict(block_k_dkv=128, block_q_dq=128)]
+    "tuned",
+    [{}, dict(memory_registers=40, pingpong=True), dict(block_k_dkv=128, block_q_dq=128)],
 )
 def test_attention_kernels_lower(mask, tuned):
     keys = jax.random.split(jax.random.key(0), 3)

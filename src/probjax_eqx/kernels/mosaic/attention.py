@@ -84,6 +84,10 @@ class MosaicAttentionConfig:
             64K-register file. None (default) leaves the even split, 168 each: on the
             H200 (run 15, B4 H8 T4096 hd128) the forward took 0.602 ms with it and
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
+        pingpong: in the forward, the two compute warpgroups take turns on the tensor
+            cores (FA3's ping-pong schedule): one runs its softmax while the other's
+            matmuls run. A rendezvous barrier of the two orders them; off by default
+            until timed on the H200.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -95,6 +99,7 @@ class MosaicAttentionConfig:
     block_k_dq: int = 64
     num_stages: int = 2
     memory_registers: int | None = None
+    pingpong: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -203,11 +208,16 @@ def _positional(st: _Static, kind: str) -> list[int]:
     return [k for k, x in enumerate(st.kinds) if x == kind]
 
 
-def _dot(a_smem, b_smem, shape):
-    """`a @ b` of two shared-memory tiles into float32 registers."""
+def _dot(a_smem, b_smem, shape, while_running=None):
+    """`a @ b` of two shared-memory tiles into float32 registers.
+
+    `while_running()` runs between issuing the wgmma and waiting for its result.
+    """
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem)
+        if while_running is not None:
+            while_running()
         return acc_ref[...]
 
     return pl.run_scoped(run, ACC(shape, jnp.float32))
@@ -229,7 +239,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         o_smem = q_smem
     else:
         q_smem, kt_smem, v_smem, p_smem, lse_smem, o_smem, *bars = scratch
-    q_bar, k_bar, v_bar, k_free, v_free, *pos = bars
+    q_bar, k_bar, v_bar, k_free, v_free, turn, *pos = bars
     # Segment ids: per q_pos operand a [2, bq] buffer, per kv_pos operand a ring of [bk].
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
     q_ids = {k: (pos[2 * n], pos[2 * n + 1]) for n, k in enumerate(q_pos)}
@@ -258,11 +268,19 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         scalars = _scalar_values(st, op_refs, b, h)
         c = st.scale * LOG2E
 
+        def take_turns():  # ping-pong: meet the other compute warpgroup
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        handoff = take_turns if cfg.pingpong else None
+        if cfg.pingpong:  # warpgroup 1 starts half a step behind
+            pl.when(wg == 1)(take_turns)
+
         def body(j, carry, masked):
             acc, m, denom = carry
             slot = lax.rem(j - lo, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape)
+            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape, handoff)
             plgpu.barrier_arrive(k_free.at[slot])
             for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
                 plgpu.barrier_wait(bar.at[slot])
@@ -282,7 +300,11 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             acc = acc * _rows(alpha, acc.shape)
             p_smem.at[wg][...] = p.astype(dtype)
             plgpu.commit_smem()
+            if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
+                plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_bar.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
             acc = acc + _dot(p_smem.at[wg], v_smem.at[slot], acc.shape)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, denom
@@ -293,6 +315,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             jnp.zeros((bq,), jnp.float32),
         )
         acc, m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
+        if cfg.pingpong:  # warpgroup 0 ends with the meeting warpgroup 1 started with
+            pl.when(wg == 0)(take_turns)
         empty = denom == 0.0
         safe = jnp.where(empty, 1.0, denom)
         out = o_smem.at[wg]
@@ -341,6 +365,7 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),  # the ping-pong turn
     ]
     for _ in _positional(st, "q_pos"):
         scratch += [plgpu.SMEM((2, bq), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
