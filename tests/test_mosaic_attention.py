@@ -106,6 +106,13 @@ def test_refusals_name_the_reason(getkey):
         dot_product_attention(q32, k32, v32, implementation="mosaic", config=CFG)
     with pytest.raises(ValueError, match="multiple of 64"):
         MosaicAttentionConfig(block_k=32)
+    with pytest.raises(ValueError, match="must be 64 or 128"):
+        MosaicAttentionConfig(block_q_dq=192)
+    # Two-warpgroup backward tiles at head dim 256 do not fit: refused before compiling.
+    q, k, v = make_qkv(getkey(), qk_dim=256, dtype=jnp.bfloat16)
+    big = dataclasses.replace(CFG, block_k_dkv=128)
+    with pytest.raises(UnsupportedError, match="shared memory"):
+        dot_product_attention(q, k, v, implementation="mosaic", config=big)
 
 
 def test_shared_memory_estimate_fits_hopper_at_head_dim_128():

@@ -862,6 +862,11 @@ class MosaicAttention:
             why = self.capabilities.check(call, device)
         if why is None and device.is_gpu and device.compute_capability != "sm_90":
             why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
+        if why is None and config is not None:
+            need = smem_bytes(config, *_dims(call))
+            over = {kernel: n for kernel, n in need.items() if n > _SMEM_LIMIT}
+            if over:
+                why = f"config needs {over} bytes of shared memory, over {_SMEM_LIMIT}"
         return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
