@@ -52,4 +52,7 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("PROBJAX_FAILURE_LOG")
     if path and report.failed:
         with open(path, "a") as f:
-            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+            text = report.longreprtext  # its head names the assertion, its tail the values
+            if len(text) > 8000:
+                text = f"{text[:4000]}\n[...]\n{text[-4000:]}"
+            f.write(f"== {report.nodeid} ({report.when})\n{text}\n")

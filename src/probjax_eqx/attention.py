@@ -69,7 +69,9 @@ register_regime("attention", "small_heads", _small_heads)
 # Per-batch KV or query lengths (padding masks): cuDNN's backward returned a dK of about
 # zero for a full-length batch element, intermittently, on the H200 (jax 0.11.2; runs 3
 # and 15 of tests/test_gpu_attention.py::test_triton_agrees_with_cudnn, causal & KV
-# lengths [512, 300]; its output and dQ agreed). Our kernels take these calls instead.
+# lengths [512, 300]; its output and dQ agreed;
+# tests/test_gpu_attention.py::test_cudnn_padded_backward_repeats tracks it). Our kernels
+# take these calls instead.
 PADDING_TERMS = frozenset({"kv_lengths", "q_lengths"})
 
 

@@ -4,10 +4,8 @@ cuDNN expresses a fixed menu of masks; the capability record and `_mask_rule` ac
 call only when the menu can state our mask exactly: any `&` of at most one each of
 top-left `Causal`, a left `LocalWindow` (on square calls), `KVLengths` and `QLengths`.
 
-Automatic selection on sm_90 sends calls with lengths elsewhere: with causal & KV
-lengths, cuDNN's backward returned dK of about zero for a full-length batch element, at
-times (H200 runs 3 and 15; `attention.PADDING_TERMS`). Pinned by name, it still takes
-them; `tests/test_gpu_attention.py::test_cudnn_padded_backward_repeats` tracks it.
+Automatic selection on sm_90 sends calls with lengths elsewhere (`attention.PADDING_TERMS`
+says why); pinned by name, cuDNN still takes them.
 """
 
 import dataclasses
