@@ -90,6 +90,12 @@ def test_grouped_matmul_refusals_and_choice(getkey):
         grouped_matmul(lhs, bad, sizes)
     with pytest.raises(ValueError, match="shapes do not chain"):
         moe_module._describe(lhs, bad, sizes)
+    # Mosaic tiles over the shared memory are refused, naming it, before compiling.
+    big = MosaicGroupedMatmulConfig(block_m=128, block_n=256, block_k=128, num_stages=3,
+                                    interpret=True)  # fmt: skip
+    with pytest.raises(UnsupportedError, match="shared memory"):
+        grouped_matmul(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes,
+                       implementation="mosaic", config=big)  # fmt: skip
     choice = explain_grouped_matmul(lhs, rhs, sizes)
     if jax.devices()[0].platform == "cpu":
         assert choice.kernel == "xla"

@@ -39,6 +39,7 @@ from probjax_eqx.backends import (
 )
 from probjax_eqx.kernels import _flash
 from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
+from probjax_eqx.kernels.mosaic._common import smem_refusal
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
@@ -111,6 +112,8 @@ class MosaicGroupedMatmul:
         )
         if why is None and device.is_gpu and device.compute_capability != "sm_90":
             why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
+        if why is None and config is not None:
+            why = smem_refusal(mosaic_gmm.smem_bytes(config))
         return why
 
     def default_config(self, call, device):

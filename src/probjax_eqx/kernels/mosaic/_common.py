@@ -8,6 +8,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
 _WG_THREADS = 128
 MEMORY_REGISTERS = 40  # per thread of a warpgroup that only issues TMA copies
+SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum of shared memory
+
+
+def smem_refusal(need: dict[str, int]) -> str | None:
+    """Why a config cannot run: the kernels (of `need`, bytes each) over `SMEM_LIMIT`."""
+    over = {kernel: n for kernel, n in need.items() if n > SMEM_LIMIT}
+    return f"config needs {over} bytes of shared memory, over {SMEM_LIMIT}" if over else None
 
 
 def compute_registers(memory_registers: int, compute_warpgroups: int = 2) -> int:

@@ -46,8 +46,10 @@ from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
     MEMORY_REGISTERS,
+    SMEM_LIMIT,
     compute_registers,
     prefetching_loop,
+    smem_refusal,
     swizzled,
     tma_ring,
 )
@@ -61,7 +63,6 @@ from probjax_eqx.masks import MaskContext
 
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
-_SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,7 +152,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     """Start from fwd 64x128, dK/dV 64x64, dQ 64x64; halve the forward keys if SMEM is short."""
     d, dv = _dims(call)
     cfg = MosaicAttentionConfig(interpret=not device.is_gpu)
-    if max(smem_bytes(cfg, d, dv).values()) > _SMEM_LIMIT:
+    if max(smem_bytes(cfg, d, dv).values()) > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, block_k=64)
     return cfg
 
@@ -830,7 +831,7 @@ def _kernel_rule(call: AttentionCall) -> str | None:
         return "score_mod is not in the Mosaic kernel yet; use implementation='triton'"
     d, dv = _dims(call)
     need = max(smem_bytes(MosaicAttentionConfig(block_k=64), d, dv).values())
-    if need > _SMEM_LIMIT:
+    if need > SMEM_LIMIT:
         return f"head dims {call.qk_dim}/{call.v_dim} need {need} bytes of shared memory"
     return None
 
@@ -863,10 +864,7 @@ class MosaicAttention:
         if why is None and device.is_gpu and device.compute_capability != "sm_90":
             why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
         if why is None and config is not None:
-            need = smem_bytes(config, *_dims(call))
-            over = {kernel: n for kernel, n in need.items() if n > _SMEM_LIMIT}
-            if over:
-                why = f"config needs {over} bytes of shared memory, over {_SMEM_LIMIT}"
+            why = smem_refusal(smem_bytes(config, *_dims(call)))
         return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:

@@ -68,6 +68,15 @@ class MosaicGroupedMatmulConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
 
+def smem_bytes(cfg: MosaicGroupedMatmulConfig) -> dict[str, int]:
+    """Shared memory of each kernel's program (16-bit operands; dRHS stages float32)."""
+    ring = cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * 2
+    return {
+        "grouped_matmul": ring + cfg.block_m * cfg.block_n * 2,
+        "transposed": ring + cfg.block_k * cfg.block_n * 4,
+    }
+
+
 def _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, shape):
     """`sum_n A_n @ B_n` over `steps` tile pairs `views(n)`, TMA-prefetched one step ahead."""
 
