@@ -224,6 +224,16 @@ def _dot(a_smem, b_smem, shape, while_running=None):
     return pl.run_scoped(run, ACC(shape, jnp.float32))
 
 
+def _store(*outputs):
+    """Write `(value, smem, gmem)` outputs: stage each value in SMEM, copy them by TMA."""
+    for value, smem, _ in outputs:
+        smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    for _, smem, gmem in outputs:
+        plgpu.copy_smem_to_gmem(smem, gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
@@ -320,13 +330,15 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             pl.when(wg == 0)(take_turns)
         empty = denom == 0.0
         safe = jnp.where(empty, 1.0, denom)
-        out = o_smem.at[wg]
-        out[...] = (acc / _rows(safe, acc.shape)).astype(dtype)
-        lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, o_ref.at[b, pl.ds(row0, bq), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        rows = pl.ds(row0, bq)
+        _store(
+            (acc / _rows(safe, acc.shape), o_smem.at[wg], o_ref.at[b, rows, h]),
+            (
+                jnp.where(empty, jnp.inf, m + jnp.log2(safe)),
+                lse_smem.at[wg],
+                lse_ref.at[b, h, rows],
+            ),
+        )
 
     @pl.when(wg == 2)
     def _memory():
@@ -427,16 +439,6 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
     plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
     plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
-
-
-def _store_dkv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, keys, b, h):
-    # K and V are no longer needed: their buffers stage the outputs.
-    k_smem[...] = dk.astype(k_smem.dtype)
-    v_smem[...] = dv.astype(v_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
-    plgpu.wait_smem_to_gmem(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,7 +575,8 @@ def _dkv_kernel(*refs, st, rebuild):
 
         accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
         dk, dv = pl.run_scoped(accumulate, *accs)
-        _store_dkv(dk, dv, tiles[0], tiles[1], dk_ref, dv_ref, keys, b, h)
+        # K and V are no longer needed: their buffers stage the outputs.
+        _store((dk, tiles[0], dk_ref.at[b, keys, h]), (dv, tiles[1], dv_ref.at[b, keys, h]))
 
     _backward_program(ring, ranges, views_of, compute)
 
@@ -616,13 +619,6 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     plgpu.commit_smem()
     plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
     plgpu.wgmma_wait(0)
-
-
-def _store_dq(dq, q_smem, dq_ref, rows, b, h):
-    q_smem[...] = dq.astype(q_smem.dtype)  # Q is no longer needed: its buffer stages dQ
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _dq_kernel(*refs, st, rebuild):
@@ -676,7 +672,7 @@ def _dq_kernel(*refs, st, rebuild):
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, ACC((_WG_ROWS, st.d), jnp.float32))
-        _store_dq(dq, tiles[0], dq_ref, rows, b, h)
+        _store((dq, tiles[0], dq_ref.at[b, rows, h]))  # Q's buffer stages dQ
 
     _backward_program(ring, ranges, views_of, compute)
 

@@ -639,7 +639,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
 
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
-        grid=(st.q_pad // bq, heads, batch),
+        grid=(tiles, heads, batch),
         in_specs=[
             pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
             pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
