@@ -28,6 +28,27 @@ def compute_registers(memory_registers: int, compute_warpgroups: int = 2) -> int
     return min(256, share // 8 * 8)
 
 
+def warp_specialized(compute, feed, memory_registers: int | None = MEMORY_REGISTERS):
+    """Run `compute(wg)` on warpgroups 0 and 1 and `feed()` on warpgroup 2 (TMA copies).
+
+    With `memory_registers`, FA3's register split (`compute_registers`); None keeps the
+    even split.
+    """
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _compute():
+        if memory_registers is not None:
+            plgpu.set_max_registers(compute_registers(memory_registers), action="increase")
+        compute(wg)
+
+    @pl.when(wg == 2)
+    def _feed():
+        if memory_registers is not None:
+            plgpu.set_max_registers(memory_registers, action="decrease")
+        feed()
+
+
 def swizzled(shape, dtype):
     """A shared-memory buffer in the 128-byte-swizzled tiling that TMA and wgmma share."""
     return plgpu.SMEM(

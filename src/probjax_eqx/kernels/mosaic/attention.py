@@ -45,13 +45,12 @@ from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
-    MEMORY_REGISTERS,
     SMEM_LIMIT,
-    compute_registers,
     prefetching_loop,
     smem_refusal,
     swizzled,
     tma_ring,
+    warp_specialized,
 )
 from probjax_eqx.kernels.mosaic._compat import (
     ACC,
@@ -119,13 +118,6 @@ class MosaicAttentionConfig:
         regs = self.memory_registers
         if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
             raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
-
-    @property
-    def compute_registers(self) -> int | None:
-        """Registers per thread of each forward compute warpgroup (multiple of 8, <= 256)."""
-        if self.memory_registers is None:
-            return None
-        return compute_registers(self.memory_registers)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -261,13 +253,9 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
     t = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * bq))
     h, b = lax.axis_index("h"), lax.axis_index("b")
-    wg = lax.axis_index("wg")
     lo, full_lo, full_hi, hi = lo_ref[b, t], flo_ref[b, t], fhi_ref[b, t], hi_ref[b, t]
 
-    @pl.when(wg < 2)
-    def _compute():
-        if cfg.compute_registers is not None:
-            plgpu.set_max_registers(cfg.compute_registers, action="increase")
+    def compute(wg):
         row0 = t * (2 * bq) + wg * bq
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem.at[wg], q_bar.at[wg])
         for k, (buf, bar) in q_ids.items():
@@ -340,10 +328,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             ),
         )
 
-    @pl.when(wg == 2)
-    def _memory():
-        if cfg.memory_registers is not None:
-            plgpu.set_max_registers(cfg.memory_registers, action="decrease")
+    def feed():
         kv_h = lax.div(h, jnp.int32(st.call.groups))
         count = hi - lo
 
@@ -360,6 +345,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
 
         # K is released after the scores, V after P @ V: each refills as soon as it can.
         tma_ring(count, stages, [(k_free, issue_k), (v_free, issue_v)])
+
+    warp_specialized(compute, feed, cfg.memory_registers)
 
 
 def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
@@ -498,18 +485,13 @@ def _backward_program(ring: _Ring, ranges, views_of, compute):
         )
         compute(loop_with(lambda n, slot: prefetch(n), lambda slot: None), None)
         return
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
-        release = lambda slot: plgpu.barrier_arrive(ring.free.at[slot])  # noqa: E731
-        compute(loop_with(lambda n, slot: ring.wait(slot), release), wg)
-
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        tma_ring(count, stages, [(ring.free, lambda n, slot: ring.issue(views_of(lo + n), slot))])
+    release = lambda slot: plgpu.barrier_arrive(ring.free.at[slot])  # noqa: E731
+    warp_specialized(
+        lambda wg: compute(loop_with(lambda n, slot: ring.wait(slot), release), wg),
+        lambda: tma_ring(
+            count, stages, [(ring.free, lambda n, slot: ring.issue(views_of(lo + n), slot))]
+        ),
+    )
 
 
 def _own_part(wg):

@@ -26,11 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._common import (
-    MEMORY_REGISTERS,
-    compute_registers,
     prefetching_loop,
     swizzled,
     tma_ring,
+    warp_specialized,
 )
 from probjax_eqx.kernels.mosaic._compat import ACC, COMPILER_PARAMS, InterpretGPUParams  # pyright: ignore[reportAttributeAccessIssue]
 from probjax_eqx.kernels.triton.grouped_matmul import Layout, PaddedKernels, padded_grouped_matmul
@@ -130,14 +129,12 @@ def _gmm_kernel(
 def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem,
                             o_smem, a_bar, b_bar, free, *, cfg):  # fmt: skip
     """`block_m = 128`: warpgroups 0 and 1 compute 64 rows each; warpgroup 2 feeds them."""
-    t, j, wg = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("wg")
+    t, j = lax.axis_index("m"), lax.axis_index("n")
     g = group_ref[t]
     bn, bk, stages = cfg.block_n, cfg.block_k, cfg.num_stages
     steps = jnp.where(live_ref[t] > 0, lhs_ref.shape[1] // bk, 0)
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(compute_registers(MEMORY_REGISTERS), action="increase")
+    def compute(wg):
         rows = pl.ds(t * 2 * _TILE + wg * _TILE, _TILE)
 
         def accumulate(acc):
@@ -159,10 +156,7 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[rows, pl.ds(j * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
+    def feed():
         def issue(n, slot):
             ks = pl.ds(n * bk, bk)
             for half in range(2):
@@ -175,6 +169,8 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
             )
 
         tma_ring(steps, stages, [(free, issue)])
+
+    warp_specialized(compute, feed)
 
 
 def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
