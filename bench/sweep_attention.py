@@ -4,13 +4,12 @@ python -m bench.sweep_attention --implementation triton|mosaic --out F
 """
 
 import argparse
-import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
-from bench.harness import classify, time_fn
+from bench.harness import RowWriter, classify, time_fn
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
@@ -114,7 +113,7 @@ def main():
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: --seq)")
     args = parser.parse_args()
     kv_seq = args.kv_seq or args.seq
-    rows = []
+    writer = RowWriter(args.out)
     for d in args.head_dim:
         keys = jax.random.split(jax.random.key(0), 4)
         shape = (args.batch, args.seq, args.heads, d)
@@ -143,8 +142,7 @@ def main():
                     row.update(_measure(q, k, v, ct, mask, cfg, part, args.implementation))
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)
-                rows.append(row)
-                args.out.write_text(json.dumps({"rows": rows}, indent=1))
+                writer.add(row)
                 print(
                     d,
                     causal,

@@ -8,13 +8,12 @@ programs one split has). `kv_tb_s` is the rate of reading K and V.
 import argparse
 import dataclasses
 import functools
-import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
-from bench.harness import classify, time_fn
+from bench.harness import RowWriter, classify, time_fn
 from probjax_eqx import dot_product_attention
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -30,7 +29,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--passes", type=int, default=2, help="times each config runs (noise)")
     args = parser.parse_args()
-    rows = []
+    writer = RowWriter(args.out)
     for batch, kv_len, kv_heads in SHAPES:
         keys = jax.random.split(jax.random.key(batch), 3)
         q = jax.random.normal(keys[0], (batch, 1, HEADS, HEAD_DIM), jnp.bfloat16)
@@ -65,8 +64,7 @@ def main():
                 row["kv_tb_s"] = kv_bytes / row["fwd_ms"] / 1e9
             except Exception as exc:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(exc)
-            rows.append(row)
-            args.out.write_text(json.dumps({"rows": rows}, indent=1))
+            writer.add(row)
             cfg_s = "default" if cfg is None else (cfg.block_k, cfg.num_warps, cfg.num_stages,
                                                     cfg.num_splits)  # fmt: skip
             print(batch, kv_len, kv_heads, impl, cfg_s, row.get("fwd_ms"), row.get("kv_tb_s"),

@@ -7,13 +7,12 @@ a random top-k router). Rows: the layout computation, the row padding, and the w
 
 import argparse
 import functools
-import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
-from bench.harness import classify, time_fn
+from bench.harness import RowWriter, classify, time_fn
 from probjax_eqx import grouped_matmul
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
@@ -51,11 +50,10 @@ def main():
     lhs = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
     rhs = jax.random.normal(keys[2], (e, d, n), jnp.bfloat16) / d**0.5
     ct = jax.random.normal(keys[3], (rows, n), jnp.bfloat16)
-    out, results = [], {}
+    writer = RowWriter(args.out)
 
     def add(row):
-        out.append(row)
-        args.out.write_text(json.dumps({"rows": out}, indent=1))
+        writer.add(row)
         print(row, flush=True)
 
     sync = jax.block_until_ready
@@ -92,7 +90,6 @@ def main():
             row["tflops_fwd_bwd"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row["status"], row["message"] = classify(exc)
-        results[repr(cfg)] = row
         add(row)
 
 

@@ -8,13 +8,12 @@ fwd+bwd per config, batched with `jax.vmap` like the modules.
 
 import argparse
 import functools
-import json
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
-from bench.harness import classify, device_info, time_fn, versions
+from bench.harness import RowWriter, classify, device_info, time_fn, versions
 from probjax_eqx.kernels.triton import ssm
 
 SCAN = [  # steps, block_d, num_warps
@@ -96,7 +95,7 @@ def main():
     cases += [("chunked_linear", linear, linear_args,
                ssm.ChunkedLinearConfig(block_dv=bdv, chunk=c, num_stages=st, interpret=interpret))
               for bdv, c, st in LINEAR]  # fmt: skip
-    rows, env = [], dict(device=device_info(), versions=versions())
+    writer, env = RowWriter(args.out), dict(device=device_info(), versions=versions())
     for kernel, build, operands, cfg in cases:
         row = dict(kernel=kernel, batch=args.batch, seq=args.seq, config=repr(cfg), status="ok")
         row.update(env)
@@ -104,8 +103,7 @@ def main():
             row.update(_measure(build(cfg), operands))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row["status"], row["message"] = classify(exc)
-        rows.append(row)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+        writer.add(row)
         print(row, flush=True)
 
 
