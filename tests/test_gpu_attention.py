@@ -213,14 +213,16 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
 
 
 @pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
-def test_mosaic_two_warpgroup_backward_on_gpu(getkey, name):
+def test_mosaic_pingpong_and_two_warpgroup_backward_on_gpu(getkey, name):
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 
     mask, lq, lkv = MOSAIC_CASES[name]
     q, k, v = make_qkv(getkey(), batch=2, q_len=lq, kv_len=lkv, q_heads=8, kv_heads=2,
                        qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
-    config = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128)
+    # Segment-id tiles leave no shared memory for the two-warpgroup dK/dV program.
+    two_wg_dkv = 64 if name == "segments" else 128
+    config = MosaicAttentionConfig(block_k_dkv=two_wg_dkv, block_q_dq=128, pingpong=True)
     f = lambda q, k, v: dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, implementation="mosaic", config=config
     )

@@ -118,3 +118,34 @@ def test_refusals_name_the_reason(getkey):
 def test_shared_memory_estimate_fits_hopper_at_head_dim_128():
     sizes = smem_bytes(MosaicAttentionConfig(), 128, 128)
     assert max(sizes.values()) <= 227 * 1024, sizes
+
+
+def test_shared_memory_is_counted_as_mosaic_counts_it():
+    # Mosaic GPU's own counts from the H200 (runs 15-16), 1 KiB-aligned buffers and
+    # barriers included: the two-warpgroup dK/dV program with one segment-id pair, and a
+    # dQ program with 128-key steps.
+    two_wg = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128)
+    assert smem_bytes(two_wg, 128, 128, 1, 1)["dkv"] == 233648
+    assert smem_bytes(MosaicAttentionConfig(block_k_dq=128), 128, 128)["dq"] == 247888
+
+
+def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo
+    from probjax_eqx.kernels.mosaic.attention import default_config
+
+    sm90 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    shape, ids = (2, 1024, 8, 128), jnp.zeros((2, 1024), jnp.int32)
+    call = lambda mask: AttentionCall.from_args(
+        shape, shape, shape, jnp.dtype(jnp.bfloat16), mask, None
+    )  # noqa: E731
+    dense = default_config(call(None), sm90)
+    assert (dense.block_k, dense.block_k_dkv, dense.block_q_dq) == (128, 128, 128)
+    # Segment-id tiles push the two-warpgroup dK/dV program over the limit (run 16).
+    segments = default_config(call(masks.Segments(ids)), sm90)
+    assert (segments.block_k, segments.block_k_dkv, segments.block_q_dq) == (128, 64, 128)
+    q, k, v = make_qkv(getkey(), batch=2, q_len=64, kv_len=64, qk_dim=128, dtype=jnp.bfloat16)
+    big = dataclasses.replace(CFG, block_k_dkv=128)
+    with pytest.raises(UnsupportedError, match="shared memory"):
+        dot_product_attention(q, k, v, mask=masks.Segments(ids[:, :64]), implementation="mosaic",
+                              config=big)  # fmt: skip

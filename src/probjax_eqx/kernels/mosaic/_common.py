@@ -1,5 +1,7 @@
 """Building blocks shared by our Mosaic GPU kernels."""
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -9,6 +11,21 @@ _REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
 _WG_THREADS = 128
 MEMORY_REGISTERS = 40  # per thread of a warpgroup that only issues TMA copies
 SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum of shared memory
+_SMEM_ALIGNMENT = 1024  # Pallas Mosaic GPU starts every scratch buffer on a 1 KiB boundary
+_BARRIER_BYTES = 8  # one mbarrier
+
+
+def scratch_bytes(scratch) -> int:
+    """Shared memory of a `plgpu.kernel`'s scratch list, laid out as Pallas lays it out."""
+    total = 0
+    for ref in scratch:
+        if isinstance(ref, plgpu.Barrier):
+            n = ref.num_barriers  # a shape tuple in jax 0.10, an int in later versions
+            total += _BARRIER_BYTES * (n if isinstance(n, int) else math.prod(n))
+        else:
+            size = math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+            total += -(-size // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
+    return total
 
 
 def smem_refusal(need: dict[str, int]) -> str | None:

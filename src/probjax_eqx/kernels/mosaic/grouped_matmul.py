@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._common import (
     prefetching_loop,
+    scratch_bytes,
     swizzled,
     tma_ring,
     warp_specialized,
@@ -67,12 +68,44 @@ class MosaicGroupedMatmulConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 2")
 
 
+def _gmm_scratch(cfg: MosaicGroupedMatmulConfig, dtype, out_dtype) -> list:
+    """Shared-memory buffers of a grouped-matmul program.
+
+    `block_m=128`: two compute warpgroups and a TMA one.
+    """
+    stages, bk, bn = cfg.num_stages, cfg.block_k, cfg.block_n
+    if cfg.block_m == 2 * _TILE:
+        return [
+            swizzled((stages, 2, _TILE, bk), dtype),
+            swizzled((stages, bk, bn), dtype),
+            swizzled((2, _TILE, bn), out_dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ]
+    return [
+        swizzled((stages, cfg.block_m, bk), dtype),
+        swizzled((stages, bk, bn), dtype),
+        swizzled((cfg.block_m, bn), out_dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
+    ]
+
+
+def _tgmm_scratch(cfg: MosaicGroupedMatmulConfig, dtype) -> list:
+    """Shared-memory buffers of a transposed grouped-matmul program (float32 staging)."""
+    return [
+        swizzled((cfg.num_stages, cfg.block_k, cfg.block_m), dtype),
+        swizzled((cfg.num_stages, cfg.block_m, cfg.block_n), dtype),
+        plgpu.SMEM((cfg.block_k, cfg.block_n), jnp.float32),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * cfg.num_stages),
+    ]
+
+
 def smem_bytes(cfg: MosaicGroupedMatmulConfig) -> dict[str, int]:
-    """Shared memory of each kernel's program (16-bit operands; dRHS stages float32)."""
-    ring = cfg.num_stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * 2
+    """Shared memory of each kernel's program (16-bit operands), from its buffer list."""
     return {
-        "grouped_matmul": ring + cfg.block_m * cfg.block_n * 2,
-        "transposed": ring + cfg.block_k * cfg.block_n * 4,
+        "grouped_matmul": scratch_bytes(_gmm_scratch(cfg, jnp.bfloat16, jnp.bfloat16)),
+        "transposed": scratch_bytes(_tgmm_scratch(cfg, jnp.bfloat16)),
     }
 
 
@@ -176,30 +209,15 @@ def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_sm
 def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
     rows, _ = lhs_p.shape
     n = rhs_p.shape[2]
-    dtype, stages, bk, bn = lhs_p.dtype, cfg.num_stages, cfg.block_k, cfg.block_n
-    if cfg.block_m == 2 * _TILE:  # two compute warpgroups and a TMA one
+    if cfg.block_m == 2 * _TILE:
         kernel, threads, thread_name = _gmm_specialized_kernel, 3, "wg"
-        scratch = [
-            swizzled((stages, 2, _TILE, bk), dtype),
-            swizzled((stages, bk, bn), dtype),
-            swizzled((2, _TILE, bn), out_dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        ]
     else:
         kernel, threads, thread_name = _gmm_kernel, None, None
-        scratch = [
-            swizzled((stages, cfg.block_m, bk), dtype),
-            swizzled((stages, bk, bn), dtype),
-            swizzled((cfg.block_m, bn), out_dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-        ]
     return plgpu.kernel(
         functools.partial(kernel, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-        scratch_types=scratch,
-        grid=(rows // cfg.block_m, n // bn),
+        scratch_types=_gmm_scratch(cfg, lhs_p.dtype, out_dtype),
+        grid=(rows // cfg.block_m, n // cfg.block_n),
         grid_names=("m", "n"),
         compiler_params=COMPILER_PARAMS,
         num_threads=threads,
@@ -228,16 +246,10 @@ def _tgmm_kernel(first_ref, end_ref, lhst_ref, dout_ref, out_ref, a_smem, b_smem
 
 def _tgmm(lhs_t, dout_p, lay: Layout, groups: int, cfg: MosaicGroupedMatmulConfig):
     k, n = lhs_t.shape[0], dout_p.shape[1]
-    dtype, stages = lhs_t.dtype, cfg.num_stages
     return plgpu.kernel(
         functools.partial(_tgmm_kernel, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
-        scratch_types=[
-            swizzled((stages, cfg.block_k, cfg.block_m), dtype),
-            swizzled((stages, cfg.block_m, cfg.block_n), dtype),
-            plgpu.SMEM((cfg.block_k, cfg.block_n), jnp.float32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages),
-        ],
+        scratch_types=_tgmm_scratch(cfg, lhs_t.dtype),
         grid=(groups, k // cfg.block_k, n // cfg.block_n),
         grid_names=("g", "k", "n"),
         compiler_params=COMPILER_PARAMS,
