@@ -144,15 +144,18 @@ def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, list]:
-    """`["head_dim=64,128", "causal=false"]` -> `{"head_dim": [64, 128], "causal": [False]}`."""
+    """`["head_dim=64,128", "causal=false", "fraction=0.25"]` -> `{"head_dim": [64, 128],
+    "causal": [False], "fraction": [0.25]}`."""
 
     def value(text: str):
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
-        try:
-            return int(text)
-        except ValueError:
-            return text
+        for number in (int, float):
+            try:
+                return number(text)
+            except ValueError:
+                pass
+        return text
 
     out = {}
     for item in items or []:

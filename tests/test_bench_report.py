@@ -76,3 +76,15 @@ def test_classify_names_rejections_oom_and_errors():
     assert classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))[0] == "OOM"
     status, message = classify(ValueError("shapes (3,) and (4,) differ\nsecond line"))
     assert (status, message) == ("error", "ValueError: shapes (3,) and (4,) differ")
+
+
+def test_set_overrides_parse_ints_floats_booleans_and_names():
+    from bench.harness import parse_overrides
+
+    got = parse_overrides(["head_dim=64,128", "causal=false", "fraction=0.25", "dtype=bfloat16"])
+    assert got == {
+        "head_dim": [64, 128],
+        "causal": [False],
+        "fraction": [0.25],
+        "dtype": ["bfloat16"],
+    }
