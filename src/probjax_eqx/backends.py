@@ -55,8 +55,10 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # Heads of <= 32 dims: the Triton kernel is fastest (attention.SMALL_HEAD_DIM).
         "sm_90:small_heads": ("triton", "cudnn", "mosaic", "xla"),
         # Padding masks (KV/Q lengths): no cuDNN, whose padded backward was wrong on the
-        # H200 at times (attention.PADDING_TERMS). Triton trains faster than Mosaic there
-        # (run 4, T4096 hd128 KV lengths: fwd+bwd 3.27 vs 3.82 ms, 1.95 vs 2.10 at half).
+        # H200 at times (attention.PADDING_TERMS). Triton first: with its two-warpgroup
+        # backward Mosaic trains faster at T4096 hd128 KV lengths (run 16: fwd+bwd 2.70
+        # vs 2.92 ms, 1.43 vs 1.56 at half), but slower at T16384 hd128 (46.7 vs 44.0,
+        # dense) and its hd 64 forward is slower (run 10); no one order wins everywhere.
         "sm_90:padded": ("triton", "mosaic", "xla"),
         "generic": ("triton", "xla"),
     },

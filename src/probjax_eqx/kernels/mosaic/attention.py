@@ -75,9 +75,11 @@ class MosaicAttentionConfig:
         block_q_dkv: query rows per step of the dK/dV kernel.
         block_k_dkv: keys per dK/dV program: 64 (one warpgroup, prefetching its next query
             tile) or 128 (two compute warpgroups of 64 keys sharing each query tile, fed by
-            a TMA warpgroup, with FA3's register split).
+            a TMA warpgroup, with FA3's register split). The field defaults to 64,
+            which always fits; `default_config` takes 128 where shared memory allows.
         block_q_dq: query rows per dQ program: 64 (one warpgroup) or 128 (two compute
-            warpgroups of 64 rows sharing each key tile, fed by a TMA warpgroup).
+            warpgroups of 64 rows sharing each key tile, fed by a TMA warpgroup); as
+            `block_k_dkv`, 64 here and 128 from `default_config` where it fits.
         block_k_dq: keys per step of the dQ kernel.
         num_stages: depth of the TMA ring of every kernel.
         memory_registers: registers per thread of the forward's TMA warpgroup (`setmaxnreg`,
@@ -87,8 +89,9 @@ class MosaicAttentionConfig:
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
         pingpong: in the forward, the two compute warpgroups take turns on the tensor
             cores (FA3's ping-pong schedule): one runs its softmax while the other's
-            matmuls run. A rendezvous barrier of the two orders them; off by default
-            until timed on the H200.
+            matmuls run. A rendezvous barrier of the two orders them. Off: on the
+            H200 (run 16, B4 H8 T4096 hd128) the forward took 0.629 ms with it and
+            0.620 ms without.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
