@@ -62,6 +62,39 @@ def test_grouped_matmul_fwd_and_grads(getkey, impl, dtype, sizes):
         assert_close(a, b, dtype, grad=True, err_msg=name)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("rhs_batched", [False, True])
+def test_grouped_matmul_under_vmap(getkey, impl, rhs_batched):
+    """A batch of calls with their own group sizes (rows past the groups included) equals
+    the calls one by one, in outputs and in per-example and summed gradients."""
+    sizes = jnp.array([SIZES["ragged"], [0, 20, 5, 13]])
+    lhs = jax.random.normal(getkey(), (2, 45, 24))
+    rhs = jax.random.normal(getkey(), (2, 4, 24, 40) if rhs_batched else (4, 24, 40)) / 5
+    ct = jax.random.normal(getkey(), (2, 45, 40))
+    config = GMM_CFG if impl == "triton" else None
+    f = lambda a, b, g: grouped_matmul(a, b, g, implementation=impl, config=config)  # noqa: E731
+    rhs_axis = 0 if rhs_batched else None
+    rhs_of = lambda i: rhs[i] if rhs_batched else rhs  # noqa: E731
+    out = jax.jit(jax.vmap(f, (0, rhs_axis, 0)))(lhs, rhs, sizes)
+    for i in range(2):
+        want = dense_grouped_matmul(lhs[i], rhs_of(i), sizes[i])
+        assert_close(out[i], want, jnp.float32, err_msg=f"out[{i}]")
+    loss = lambda a, b, g, c: jnp.sum(f(a, b, g) * c)  # noqa: E731
+    per_example = jax.vmap(jax.grad(loss, (0, 1)), (0, rhs_axis, 0, 0))(lhs, rhs, sizes, ct)
+    summed = jax.grad(
+        lambda a, b: jnp.sum(jax.vmap(f, (0, rhs_axis, 0))(a, b, sizes) * ct), (0, 1)
+    )(lhs, rhs)
+    ref = lambda a, b, g, c: jnp.sum(jax.lax.ragged_dot(a, b, g, precision="highest") * c)  # noqa: E731
+    one_by_one = [jax.grad(ref, (0, 1))(lhs[i], rhs_of(i), sizes[i], ct[i]) for i in range(2)]
+    want_dlhs = jnp.stack([g[0] for g in one_by_one])
+    want_drhs = jnp.stack([g[1] for g in one_by_one])
+    assert_close(per_example[0], want_dlhs, jnp.float32, grad=True, err_msg="vmap(grad) dlhs")
+    assert_close(per_example[1], want_drhs, jnp.float32, grad=True, err_msg="vmap(grad) drhs")
+    assert_close(summed[0], want_dlhs, jnp.float32, grad=True, err_msg="grad(vmap) dlhs")
+    summed_drhs = want_drhs if rhs_batched else want_drhs.sum(0)
+    assert_close(summed[1], summed_drhs, jnp.float32, grad=True, err_msg="grad(vmap) drhs")
+
+
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
 def test_grouped_matmul_grad_of_jitted_call(getkey, impl):
     """Group sizes closed over by a jitted call under an outer `jit(grad)`: the custom
@@ -198,6 +231,29 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
         assert_close(a, b, jnp.float32, grad=True)
     gx = jax.grad(loss(lambda m, x: m(x)[0]), argnums=1)(moe, x)
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
+
+
+@pytest.mark.parametrize("dispatch", ["auto", "xla", "triton"])
+def test_vmap_over_moe_equals_calls_one_by_one(getkey, dispatch):
+    # The unbatched module under jax.vmap, as Equinox users batch it (sequences of tokens).
+    moe = make_moe(getkey(), dispatch, top_k=2)
+    x = jax.random.normal(getkey(), (3, 11, 16))
+    ct = jax.random.normal(getkey(), (3, 11, 16))
+    y, aux = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(moe, x)
+    for i in range(3):
+        y_i, aux_i = moe(x[i])
+        assert_close(y[i], y_i, jnp.float32, err_msg=f"y[{i}]")
+        np.testing.assert_array_equal(aux.tokens_per_expert[i], aux_i.tokens_per_expert)
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(lambda row: m(row)[0])(x) * ct)
+
+    got = eqx.filter_grad(loss)(moe, x)
+    one = eqx.filter_grad(lambda m, x, c: jnp.sum(m(x)[0] * c))
+    one_by_one = [one(moe, x[i], ct[i]) for i in range(3)]
+    want = jax.tree.map(lambda *g: sum(g), *one_by_one)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, jnp.float32, grad=True)
 
 
 def test_moe_mosaic_dispatch_matches_dense_oracle(getkey):

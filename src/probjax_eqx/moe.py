@@ -74,8 +74,96 @@ class XlaGroupedMatmul:
         return None
 
     def __call__(self, lhs, rhs, group_sizes, *, config):
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-        return out.astype(lhs.dtype)
+        return _xla_grouped_matmul(lhs, rhs, group_sizes)
+
+
+# `jax.lax.ragged_dot` has no batching rule for batched group sizes, so `jax.vmap` over an
+# MoE on the XLA grouped matmul failed. The two products of its forward and backward get
+# one: the batch folds into one ragged product whose groups are (example, group) pairs.
+def _ragged_dot(lhs, rhs, group_sizes):
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
+@jax.custom_batching.custom_vmap
+def _gmm(lhs, rhs, group_sizes):
+    return _ragged_dot(lhs, rhs, group_sizes)
+
+
+@jax.custom_batching.custom_vmap
+def _tgmm(lhs, dout, group_sizes):
+    """`out[g] = lhs_g^T @ dout_g` over each group's rows: `[groups, k, n]`, float32."""
+    shape = (group_sizes.shape[0], lhs.shape[1], dout.shape[1])
+    dout = dout.astype(jnp.float32)
+    _, vjp = jax.vjp(lambda r: _ragged_dot(lhs.astype(jnp.float32), r, group_sizes),
+                     jnp.zeros(shape, jnp.float32))  # fmt: skip
+    return vjp(dout)[0]
+
+
+def _folded_order(group_sizes, rows: int, per_example_groups: bool):
+    """Order of the `[batch * rows]` flattened rows of a batch that sorts them by group.
+
+    Rows keep their order within a group; rows past an example's groups go last. With
+    `per_example_groups` the groups are (example, group) pairs, else the groups of all
+    examples merge. Returns the permutation and the folded group sizes.
+    """
+    batch, groups = group_sizes.shape
+    ends = jnp.cumsum(group_sizes, axis=1)
+    row = jnp.arange(rows)
+    gid = jax.vmap(lambda e: jnp.searchsorted(e, row, side="right"))(ends)  # [batch, rows]
+    if per_example_groups:
+        key = jnp.where(gid < groups, jnp.arange(batch)[:, None] * groups + gid, batch * groups)
+        sizes = group_sizes.reshape(batch * groups)
+    else:
+        key, sizes = gid, group_sizes.sum(0)
+    order = jnp.argsort(key.reshape(-1), stable=True)
+    return order, sizes
+
+
+def _batched(axis_size, in_batched, *args):
+    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in
+            zip(args, in_batched)]  # fmt: skip
+
+
+@_gmm.def_vmap
+def _gmm_vmap(axis_size, in_batched, lhs, rhs, group_sizes):
+    rhs_batched = in_batched[1]
+    lhs, group_sizes = _batched(axis_size, (in_batched[0], in_batched[2]), lhs, group_sizes)
+    batch, rows, k = lhs.shape
+    order, sizes = _folded_order(group_sizes, rows, per_example_groups=rhs_batched)
+    if rhs_batched:
+        rhs = rhs.reshape(-1, *rhs.shape[2:])
+    out = _gmm(lhs.reshape(batch * rows, k)[order], rhs, sizes)
+    out = jnp.zeros_like(out).at[order].set(out)
+    return out.reshape(batch, rows, -1), True
+
+
+@_tgmm.def_vmap
+def _tgmm_vmap(axis_size, in_batched, lhs, dout, group_sizes):
+    lhs, dout, group_sizes = _batched(axis_size, in_batched, lhs, dout, group_sizes)
+    batch, rows, k = lhs.shape
+    order, sizes = _folded_order(group_sizes, rows, per_example_groups=True)
+    out = _tgmm(lhs.reshape(batch * rows, k)[order], dout.reshape(batch * rows, -1)[order], sizes)
+    return out.reshape(batch, group_sizes.shape[1], k, -1), True
+
+
+@jax.custom_vjp
+def _xla_grouped_matmul(lhs, rhs, group_sizes):
+    return _gmm(lhs, rhs, group_sizes)
+
+
+def _xla_grouped_matmul_fwd(lhs, rhs, group_sizes):
+    return _gmm(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _xla_grouped_matmul_bwd(residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    dlhs = _gmm(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
+    drhs = _tgmm(lhs, dout, group_sizes).astype(rhs.dtype)
+    return dlhs, drhs, None
+
+
+_xla_grouped_matmul.defvjp(_xla_grouped_matmul_fwd, _xla_grouped_matmul_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +399,9 @@ class MoE(eqx.Module):
 
     Call it on all the tokens of a batch at once (`[tokens, d_model]`, e.g. the batch
     flattened): routing is per token, and one grouped matmul per expert matrix then
-    serves the whole batch. `jax.vmap` over an MoE with the `"xla"` grouped matmul fails
-    inside `jax.lax.ragged_dot`, whose batching rule JAX has not implemented.
+    serves the whole batch. `jax.vmap` over an MoE works with every dispatch (the XLA
+    grouped matmul folds the batch into one ragged product); its second derivatives
+    are not defined on the XLA grouped matmul.
 
     Example:
         ```python
