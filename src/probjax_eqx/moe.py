@@ -79,7 +79,8 @@ class XlaGroupedMatmul:
 
 # `jax.lax.ragged_dot` has no batching rule for batched group sizes, so `jax.vmap` over an
 # MoE on the XLA grouped matmul failed. The two products of its forward and backward get
-# one: the batch folds into one ragged product whose groups are (example, group) pairs.
+# one: the batch folds into one ragged product over the examples' rows sorted by group
+# (`_folded_order`).
 def _ragged_dot(lhs, rhs, group_sizes):
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
