@@ -233,7 +233,7 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "xla", "triton"])
+@pytest.mark.parametrize("dispatch", ["auto", "xla", "triton", "fused_gsum"])
 def test_vmap_over_moe_equals_calls_one_by_one(getkey, dispatch):
     # The unbatched module under jax.vmap, as Equinox users batch it (sequences of tokens).
     moe = make_moe(getkey(), dispatch, top_k=2)
