@@ -154,17 +154,42 @@ def _xla_grouped_matmul(lhs, rhs, group_sizes):
 
 
 def _xla_grouped_matmul_fwd(lhs, rhs, group_sizes):
-    return _gmm(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+    # The product through the custom VJP itself: an outer derivative of this rule meets
+    # the custom VJP again, never `_gmm` (custom_vmap has no reverse mode).
+    return _xla_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
 
 def _xla_grouped_matmul_bwd(residuals, dout):
     lhs, rhs, group_sizes = residuals
-    dlhs = _gmm(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
-    drhs = _tgmm(lhs, dout, group_sizes).astype(rhs.dtype)
+    dlhs = _xla_grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
+    drhs = _xla_transposed_grouped_matmul(lhs, dout, group_sizes).astype(rhs.dtype)
     return dlhs, drhs, None
 
 
 _xla_grouped_matmul.defvjp(_xla_grouped_matmul_fwd, _xla_grouped_matmul_bwd)
+
+
+# Both products are bilinear and each one's VJP is made of the two: derivatives of any
+# order in reverse mode, under vmap too.
+@jax.custom_vjp
+def _xla_transposed_grouped_matmul(lhs, dout, group_sizes):
+    return _tgmm(lhs, dout, group_sizes)
+
+
+def _xla_transposed_grouped_matmul_fwd(lhs, dout, group_sizes):
+    return _xla_transposed_grouped_matmul(lhs, dout, group_sizes), (lhs, dout, group_sizes)
+
+
+def _xla_transposed_grouped_matmul_bwd(residuals, ct):
+    lhs, dout, group_sizes = residuals
+    dlhs = _xla_grouped_matmul(dout, jnp.swapaxes(ct, 1, 2).astype(dout.dtype), group_sizes)
+    ddout = _xla_grouped_matmul(lhs, ct.astype(lhs.dtype), group_sizes)
+    return dlhs.astype(lhs.dtype), ddout.astype(dout.dtype), None
+
+
+_xla_transposed_grouped_matmul.defvjp(
+    _xla_transposed_grouped_matmul_fwd, _xla_transposed_grouped_matmul_bwd
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,8 +426,7 @@ class MoE(eqx.Module):
     Call it on all the tokens of a batch at once (`[tokens, d_model]`, e.g. the batch
     flattened): routing is per token, and one grouped matmul per expert matrix then
     serves the whole batch. `jax.vmap` over an MoE works with every dispatch (the XLA
-    grouped matmul folds the batch into one ragged product); its second derivatives
-    are not defined on the XLA grouped matmul.
+    grouped matmul folds the batch into one ragged product).
 
     Example:
         ```python
