@@ -88,3 +88,18 @@ def test_set_overrides_parse_ints_floats_booleans_and_names():
         "fraction": [0.25],
         "dtype": ["bfloat16"],
     }
+
+
+def test_merge_appends_validated_rows_with_their_run(tmp_path):
+    import json
+
+    from bench.merge import merge
+
+    into, new = tmp_path / "h200.json", tmp_path / "new.json"
+    into.write_text(json.dumps({"rows": [{**_row("probjax auto", 1.0), "run": 1}]}))
+    new.write_text(json.dumps({"rows": [_row("probjax auto", 0.9), _row("torch sdpa", 0.8)]}))
+    assert merge([new], 2, into, suite_rows=True) == 2
+    assert [row["run"] for row in json.loads(into.read_text())["rows"]] == [1, 2, 2]
+    new.write_text(json.dumps({"rows": [{**_row("probjax auto", 0.9), "status": "fine"}]}))
+    with pytest.raises(ValueError, match="status"):
+        merge([new], 3, into, suite_rows=True)
