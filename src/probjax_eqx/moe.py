@@ -148,47 +148,44 @@ def _tgmm_vmap(axis_size, in_batched, lhs, dout, group_sizes):
     return out.reshape(batch, group_sizes.shape[1], k, -1), True
 
 
+# Both products are bilinear and each one's VJP is made of the two: derivatives of any
+# order in reverse mode, under vmap too.
 @jax.custom_vjp
 def _xla_grouped_matmul(lhs, rhs, group_sizes):
     return _gmm(lhs, rhs, group_sizes)
 
 
-def _xla_grouped_matmul_fwd(lhs, rhs, group_sizes):
-    # The product through the custom VJP itself: an outer derivative of this rule meets
-    # the custom VJP again, never `_gmm` (custom_vmap has no reverse mode).
-    return _xla_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+@jax.custom_vjp
+def _xla_transposed_grouped_matmul(lhs, dout, group_sizes):
+    return _tgmm(lhs, dout, group_sizes)
 
 
-def _xla_grouped_matmul_bwd(residuals, dout):
+def _forward_rule(product):
+    """The VJP's forward rule of `product`: its operands are the residuals.
+
+    It computes the product through its custom VJP itself, so that an outer derivative
+    meets the custom VJP again, never `custom_vmap` (which has no reverse mode).
+    """
+    return lambda *operands: (product(*operands), operands)
+
+
+def _grouped_matmul_bwd(residuals, dout):
     lhs, rhs, group_sizes = residuals
     dlhs = _xla_grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
     drhs = _xla_transposed_grouped_matmul(lhs, dout, group_sizes).astype(rhs.dtype)
     return dlhs, drhs, None
 
 
-_xla_grouped_matmul.defvjp(_xla_grouped_matmul_fwd, _xla_grouped_matmul_bwd)
-
-
-# Both products are bilinear and each one's VJP is made of the two: derivatives of any
-# order in reverse mode, under vmap too.
-@jax.custom_vjp
-def _xla_transposed_grouped_matmul(lhs, dout, group_sizes):
-    return _tgmm(lhs, dout, group_sizes)
-
-
-def _xla_transposed_grouped_matmul_fwd(lhs, dout, group_sizes):
-    return _xla_transposed_grouped_matmul(lhs, dout, group_sizes), (lhs, dout, group_sizes)
-
-
-def _xla_transposed_grouped_matmul_bwd(residuals, ct):
+def _transposed_grouped_matmul_bwd(residuals, ct):
     lhs, dout, group_sizes = residuals
     dlhs = _xla_grouped_matmul(dout, jnp.swapaxes(ct, 1, 2).astype(dout.dtype), group_sizes)
     ddout = _xla_grouped_matmul(lhs, ct.astype(lhs.dtype), group_sizes)
     return dlhs.astype(lhs.dtype), ddout.astype(dout.dtype), None
 
 
+_xla_grouped_matmul.defvjp(_forward_rule(_xla_grouped_matmul), _grouped_matmul_bwd)
 _xla_transposed_grouped_matmul.defvjp(
-    _xla_transposed_grouped_matmul_fwd, _xla_transposed_grouped_matmul_bwd
+    _forward_rule(_xla_transposed_grouped_matmul), _transposed_grouped_matmul_bwd
 )
 
 
