@@ -1,8 +1,10 @@
 """Sweep grouped-matmul tiles and time its parts: `python -m bench.sweep_gmm --out F`.
 
 One MoE-like shape (`[tokens * top_k, d_model] x [experts, d_model, n]`, rows drawn from
-a random top-k router). Rows: the layout computation, the row padding, and the whole
-`grouped_matmul` fwd and fwd+bwd for each config of each kernel.
+a random top-k router). Rows: the layout computation, the row padding, the whole
+`grouped_matmul` fwd and fwd+bwd for each config of each kernel, and for Mosaic configs
+each of its three kernels alone on the padded layout (`part="kernel"`): where the
+backward's time goes (run 17: 18.6 ms fwd+bwd at 1M rows against Triton's 3.4).
 """
 
 import argparse
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 
 from bench.harness import RowWriter, classify, time_fn
 from probjax_eqx import grouped_matmul
+from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton import grouped_matmul as triton_gmm
 
@@ -41,6 +44,8 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--tokens", type=int, default=131_072)
     parser.add_argument("--shape", type=int, nargs=4, default=[8, 512, 256, 64], metavar="KDNE")
+    parser.add_argument("--impl", choices=("triton", "mosaic"), nargs="+",
+                        default=["triton", "mosaic"])  # fmt: skip
     args = parser.parse_args()
     top_k, d, n, e = args.shape
     rows = args.tokens * top_k
@@ -71,7 +76,11 @@ def main():
     configs += [("mosaic", MosaicGroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk,
                                                      num_stages=s))
                 for bm, bn, bk, s in MOSAIC]  # fmt: skip
+    configs = [(impl, cfg) for impl, cfg in configs if impl in args.impl]
     for impl, cfg in configs:
+        if impl == "mosaic":
+            for row in _mosaic_kernel_rows(cfg, lhs, rhs, ct, sizes, sync):
+                add(row)
         row = dict(part="grouped_matmul", impl=impl, config=repr(cfg), status="ok")
         try:
             fn = functools.partial(grouped_matmul, group_sizes=sizes, implementation=impl,
@@ -91,6 +100,27 @@ def main():
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row["status"], row["message"] = classify(exc)
         add(row)
+
+
+def _mosaic_kernel_rows(cfg, lhs, rhs, ct, sizes, sync):
+    """One row per Mosaic kernel (matmul, dLHS matmul_t, dRHS transposed), timed alone."""
+    kernels = mosaic_gmm.kernels(cfg, rhs.shape[0])
+    lay = jax.jit(lambda s: triton_gmm.layout(s, lhs.shape[0], cfg.block_m))(sizes)
+    rhs_p, k_pad, n_pad = triton_gmm.padded_rhs(rhs, cfg)
+    lhs_p, ct_p = lay.to_padded(lhs, k_pad), lay.to_padded(ct, n_pad)
+    parts = {
+        "matmul": (kernels.matmul, (lhs_p, rhs_p)),
+        "matmul_t": (kernels.matmul_t, (ct_p, rhs_p)),
+        "transposed": (kernels.transposed, (lhs_p, ct_p)),
+    }
+    for name, (kernel, operands) in parts.items():
+        row = dict(part="kernel", impl="mosaic", kernel=name, config=repr(cfg), status="ok")
+        try:
+            fn = jax.jit(lambda a, b, lay, kernel=kernel: kernel(a, b, lay))
+            row["ms"] = time_fn(functools.partial(fn, *operands, lay), sync)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            row["status"], row["message"] = classify(exc)
+        yield row
 
 
 if __name__ == "__main__":

@@ -137,7 +137,11 @@ def test_triton_agrees_with_cudnn(getkey):
         )
     for a, b in zip(*(jax.tree.leaves(r) for r in results)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.max(np.abs(a - b)) <= 0.004 * max(1.0, np.max(np.abs(b)))
+        # Two bf16 results of different summation orders may round one step apart: at
+        # |x| in [2, 4) that is 0.0156, above 0.004 * max|b| when max|b| < 3.9 (run 17).
+        one_step = np.spacing(np.abs(b).astype(jnp.bfloat16)).astype(np.float32)
+        bound = np.maximum(0.004 * max(1.0, np.max(np.abs(b))), one_step)
+        assert np.all(np.abs(a - b) <= bound), np.max(np.abs(a - b) - bound)
 
 
 def test_triton_fused_backward_and_alibi_on_gpu(getkey):
