@@ -139,6 +139,39 @@ def test_grouped_matmul_grad_of_jitted_call(getkey, impl):
         assert_close(a, b, jnp.bfloat16, grad=True)
 
 
+@pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
+def test_padded_layout_moves_rows_and_gradients_by_gathers(getkey, sizes):
+    """`to_padded` / `from_padded` and their gradients equal `jnp.take` and its transpose,
+    but the gradients are gathers: no scatter-add (slow on GPUs) in the backward."""
+    from probjax_eqx.kernels.triton.grouped_matmul import layout
+
+    sizes = jnp.array(sizes)
+    m, block, cols = int(sizes.sum()) + 2, 8, 12  # 2 rows past the groups
+    lay = layout(sizes, m, block)
+    x = jax.random.normal(getkey(), (m, 10))
+    ct_p = jax.random.normal(getkey(), (lay.rows, cols))
+    ct = jax.random.normal(getkey(), (m, cols - 2))
+
+    def plain_to(x):
+        return jnp.take(jnp.pad(x, ((0, 0), (0, 2))), lay.src, axis=0, mode="fill", fill_value=0)
+
+    def plain_from(x):
+        return jnp.take(x[:, : cols - 2], lay.dest, axis=0, mode="fill", fill_value=0)
+
+    padded = lay.to_padded(x, cols)
+    np.testing.assert_array_equal(padded, plain_to(x))
+    np.testing.assert_array_equal(lay.from_padded(padded, 10), jnp.where(
+        (jnp.arange(m) < sizes.sum())[:, None], x, 0))  # fmt: skip
+    for ours, plain, arg, cot in (
+        (lambda x: lay.to_padded(x, cols), plain_to, x, ct_p),
+        (lambda x: lay.from_padded(x, cols - 2), plain_from, padded, ct),
+    ):
+        pullback = jax.vjp(ours, arg)[1]
+        np.testing.assert_array_equal(pullback(cot)[0], jax.vjp(plain, arg)[1](cot)[0])
+        backward = str(jax.make_jaxpr(pullback)(cot))
+        assert "scatter" not in backward, backward
+
+
 def test_grouped_matmul_refusals_and_choice(getkey):
     lhs, rhs = jnp.zeros((8, 16)), jnp.zeros((2, 16, 16))
     sizes = jnp.array([4, 4])
@@ -257,6 +290,39 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
         assert_close(a, b, jnp.float32, grad=True)
     gx = jax.grad(loss(lambda m, x: m(x)[0]), argnums=1)(moe, x)
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
+
+
+def _float_row_scatters(jaxpr, width: int) -> list[str]:
+    """Scatters into float arrays of rows at least `width` wide anywhere in `jaxpr` (the
+    router's top-k gradient scatters into `[tokens, experts]`: narrower)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        operand = eqn.invars[0].aval if eqn.invars else None
+        if (eqn.primitive.name.startswith("scatter") and jnp.issubdtype(operand.dtype, jnp.floating)
+                and operand.ndim >= 2 and operand.shape[-1] >= width):  # fmt: skip
+            found.append(f"{eqn.primitive.name} {operand}")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _float_row_scatters(inner, width)
+    return found
+
+
+@pytest.mark.parametrize("dispatch", ["xla", "triton", "fused_gsum", "mosaic"])
+def test_moe_train_step_moves_rows_by_gathers(getkey, dispatch):
+    # Copying tokens to their expert rows and combining them back are gathers both ways
+    # (scatter-adds of rows are slow on GPUs); only the dense oracle scatters.
+    moe = make_moe(getkey(), dispatch, top_k=2, compute_dtype="bfloat16")
+    x = jax.random.normal(getkey(), (19, 16))
+    step = eqx.filter_grad(lambda m, x: jnp.sum(m(x)[0]))
+    assert _float_row_scatters(jax.make_jaxpr(step)(moe, x).jaxpr, width=16) == []
+    # The check sees such scatters: the combine as a scatter-add of rows.
+    scatter_combine = lambda x: jnp.zeros((19, 16)).at[jnp.arange(38) // 2].add(x)  # noqa: E731
+    closed = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(scatter_combine(x)))))(
+        jnp.ones((38, 16))
+    )
+    assert _float_row_scatters(closed.jaxpr, width=16)
 
 
 @pytest.mark.parametrize("dispatch", ["auto", "xla", "triton", "fused_gsum"])

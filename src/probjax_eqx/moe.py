@@ -417,6 +417,45 @@ def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m:
     return lay, rows, scale
 
 
+# The dispatch's copy of each token to its top-k rows and the combine back are each
+# other's transposes. As a gather and a scatter-add (`x[rows]`, `.at[rows].add`) one of
+# them is a scatter-add forward and backward, slow on GPUs; here both directions are
+# gathers: `slots[t]` lists the k rows holding token t, and `rows[r]` the token of row r
+# (out of range, e.g. padding rows: none).
+@jax.custom_vjp
+def _copy_to_rows(x, rows, slots):
+    """`out[r] = x[rows[r]]`, zeros where `rows[r]` is out of range."""
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def _combine_rows(ys, slots, rows):
+    """`out[t] = sum_k ys[slots[t, k]]` in float32: the rows of each token summed."""
+    out = jnp.take(ys, slots[:, 0], axis=0).astype(jnp.float32)
+    for k in range(1, slots.shape[1]):  # k gathers into one fused sum, no [t, k, d]
+        out = out + jnp.take(ys, slots[:, k], axis=0).astype(jnp.float32)
+    return out
+
+
+def _copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
+    rows, slots = residuals
+    return _combine_rows(dout, slots, rows).astype(dout.dtype), None, None
+
+
+def _combine_rows_bwd(residuals, dout):
+    slots, rows, like_ys = residuals  # like_ys: an empty array of ys's dtype
+    return _copy_to_rows(dout, rows, slots).astype(like_ys.dtype), None, None
+
+
+_copy_to_rows.defvjp(
+    lambda x, rows, slots: (_copy_to_rows(x, rows, slots), (rows, slots)), _copy_to_rows_bwd
+)
+_combine_rows.defvjp(
+    lambda ys, slots, rows: (_combine_rows(ys, slots, rows), (slots, rows, ys[:0, :0])),
+    _combine_rows_bwd,
+)
+
+
 class MoE(eqx.Module):
     """Dropless top-k mixture of SwiGLU experts with an optional shared expert.
 
@@ -542,31 +581,34 @@ class MoE(eqx.Module):
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
+        # The sorted row of each (token, slot): `order`'s inverse.
+        sorted_row = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+        slots = sorted_row.reshape(experts.shape)
         group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
         sorted_weights = weights.reshape(-1)[order]
         choice = self.explain(x)  # validates the call and fills the kernel's config
+        x = x.astype(dtype)
         if self.dispatch_mode == "fused_gsum":
-            return self._fused_gsum(x.astype(dtype), token_of, sorted_weights, group_sizes, choice)
+            return self._fused_gsum(x, token_of, sorted_weights, group_sizes, choice)
         impl = _IMPLEMENTATIONS[choice.kernel]
         if isinstance(impl, MosaicGroupedMatmul):  # its kernels run on the padded layout
             kernels = impl.kernels(choice.config, self.num_experts)
-            return self._padded(x.astype(dtype), token_of, sorted_weights, group_sizes, kernels)
-        return self._sorted(x.astype(dtype), token_of, sorted_weights, group_sizes)
+            return self._padded(x, token_of, slots, sorted_weights, group_sizes, kernels)
+        return self._sorted(x, token_of, slots, sorted_weights, group_sizes)
 
     def gate_up_weights(self, dtype) -> Float[Array, "experts d_model two_d_ff"]:
         """The gate and up expert matrices side by side: one grouped matmul for both."""
         return jnp.concatenate([self.w_gate, self.w_up], axis=2).astype(dtype)
 
-    def _sorted(self, x, token_of, sorted_weights, group_sizes):
+    def _sorted(self, x, token_of, slots, sorted_weights, group_sizes):
         """The top-k copies sorted by expert, through `grouped_matmul` (XLA, Triton in place)."""
-        xs = x[token_of]
+        xs = _copy_to_rows(x, token_of, slots)
         h13 = self._gmm(xs, self.gate_up_weights(x.dtype), group_sizes)
         h = swiglu(h13, self.w_gate.shape[2])
         ys = self._gmm(h, self.w_down.astype(x.dtype), group_sizes).astype(jnp.float32)
-        ys = ys * sorted_weights[:, None]
-        return jnp.zeros(x.shape, jnp.float32).at[token_of].add(ys)
+        return _combine_rows(ys * sorted_weights[:, None], slots, token_of)
 
-    def _padded(self, x, token_of, sorted_weights, group_sizes, kernels):
+    def _padded(self, x, token_of, slots, sorted_weights, group_sizes, kernels):
         """The sorted dispatch with the copies gathered once into the kernels' padded layout.
 
         Both grouped matmuls and their gradients then run on that layout: no re-padding
@@ -576,14 +618,15 @@ class MoE(eqx.Module):
         lay, rows, scale = _padded_routing(
             group_sizes, token_of, sorted_weights, tokens, kernels.config.block_m
         )
+        slots_p = lay.dest[slots]  # each (token, slot)'s padded row
         w13_p, k_pad, _ = triton_gmm.padded_rhs(self.gate_up_weights(x.dtype), kernels.config)
-        xs_p = triton_gmm.with_spare_row(x, k_pad)[rows]  # padding rows read the zero row
+        x_cols = jnp.pad(x, ((0, 0), (0, k_pad - d_model)))
+        xs_p = _copy_to_rows(x_cols, rows, slots_p)  # padding rows (token `tokens`) get zeros
         h = swiglu(triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels), d_ff)
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
         ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
-        ys = ys.astype(jnp.float32) * scale[:, None]
-        return jnp.zeros((tokens + 1, d_model), jnp.float32).at[rows].add(ys)[:tokens]
+        return _combine_rows(ys.astype(jnp.float32) * scale[:, None], slots_p, rows)
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, config = x.shape[0], choice.config
