@@ -91,7 +91,7 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
         (masks.LocalWindow(4, 2), 64, 128, "no right window"),
         (masks.Segments(jnp.zeros((2, 128), jnp.int32)), 64, 128, "mask 'segments' not supported"),
         (None, 72 + 1, 128, "not a multiple of 8"),
-        (None, 256, 128, "exceeds the maximum 128"),
+        (None, 264, 128, "exceeds the maximum 256"),
         (masks.KVLengths(3) & masks.KVLengths(4), 64, 128, "at most one 'kv_lengths'"),
     ],
 )
@@ -100,6 +100,18 @@ def test_pinned_cudnn_refuses_with_reason(mask, d, lq, match):
     with pytest.raises(UnsupportedError, match=match) as info:
         explain_attention(*shapes(d=d, lq=lq), mask=mask, implementation=backend)
     assert info.value.implementation == "cudnn"
+
+
+def test_cudnn_head_dims_follow_the_architecture():
+    # 256-dim heads on Hopper (what JAX's cuDNN check allows), 128 before it.
+    on_h200 = resolve("attention", "cudnn", device=H200, environ={})
+    assert explain_attention(*shapes(d=256), implementation=on_h200).kernel == "cudnn"
+    auto = resolve("attention", device=H200, environ={})
+    assert explain_attention(*shapes(d=256), implementation=auto).kernel == "cudnn"
+    on_a100 = resolve("attention", "cudnn", device=A100, environ={})
+    with pytest.raises(UnsupportedError, match="exceeds the maximum 128 before sm_90"):
+        explain_attention(*shapes(d=256), implementation=on_a100)
+    assert explain_attention(*shapes(d=128), implementation=on_a100).kernel == "cudnn"
 
 
 def test_cudnn_accepts_what_it_can_state():

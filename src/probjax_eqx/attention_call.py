@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.backends import DeviceInfo, sm_number
 from probjax_eqx.biases import AbstractScoreMod
 from probjax_eqx.masks import AbstractMask, conjuncts
 
@@ -66,10 +66,6 @@ class AttentionCall:
         return 2.0 * pairs * (self.qk_dim + self.v_dim)
 
 
-def _sm(value: str | None) -> int:
-    return int(value[3:]) if value else 0
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionCapabilities:
     """What an attention implementation computes exactly.
@@ -106,7 +102,7 @@ class AttentionCapabilities:
         if device.platform not in self.platforms:
             return f"runs on {sorted(self.platforms)}, not on platform {device.platform!r}"
         if self.min_compute_capability is not None and device.is_gpu:
-            if _sm(device.compute_capability) < _sm(self.min_compute_capability):
+            if device.sm < sm_number(self.min_compute_capability):
                 return (
                     f"needs compute capability >= {self.min_compute_capability}, "
                     f"device has {device.compute_capability}"

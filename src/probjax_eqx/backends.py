@@ -133,6 +133,16 @@ class DeviceInfo:
     def is_gpu(self) -> bool:
         return self.platform == "gpu"
 
+    @property
+    def sm(self) -> int:
+        """The compute capability as a number (`"sm_90"` -> 90; 0 without one)."""
+        return sm_number(self.compute_capability)
+
+
+def sm_number(compute_capability: str | None) -> int:
+    """`"sm_90"` -> 90; `None` -> 0."""
+    return int(compute_capability[3:]) if compute_capability else 0
+
 
 def detect_device(device: Any = None) -> DeviceInfo:
     """Describe a `jax.Device` (default: JAX's first default device)."""
