@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 or 2}" in
+case "${1:?stage 1, 2 or 3}" in
   1)
     # GPU tests of session 10's changes (cuDNN at head_dim 256; the MoE and grouped
     # matmul now move rows by gathers both ways), then the grouped matmul at 1M rows and
@@ -44,6 +44,15 @@ case "${1:?stage 1 or 2}" in
       "probjax moe auto" "probjax moe mosaic"
     suite 180 sequence16k --suite sequence --seq 16384 --only "rla chunked" "rla triton" \
       "mla auto" "mha auto" "mamba2 triton"
+    ;;
+  3)
+    # RLA's linear branch: warps and the chunk-parallel backward (new in session 10; the
+    # single-kernel backward is ~6 ms of RLA's 7.7 ms fwd+bwd at T=4096), GPU SSM tests.
+    step 200 sweep_ssm python3 -m bench.sweep_ssm --out "$out/sweep_ssm.json" \
+      --kernel chunked_linear
+    step 150 gpu_tests env OUT=/tmp/tests bash -c 'mkdir -p $OUT; bash bench/gpu_tests.sh \
+      -k "selective_scan or ssd or linear_branch or chunk_parallel"; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

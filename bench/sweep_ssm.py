@@ -2,8 +2,9 @@
 
 The shapes of the sequence suite (B4, T 4096, d_model 1024, bf16): Mamba's selective
 scan (d_inner 2048, 16 states) over `steps` per load and `block_d`, and RLA's linear
-branch (8 heads, 256 features, 128 values) over `block_dv` and `chunk`. Rows: fwd and
-fwd+bwd per config, batched with `jax.vmap` like the modules.
+branch (8 heads, 256 features, 128 values) over `block_dv`, `chunk`, warps and the
+backward's form. Rows: fwd and fwd+bwd per config, batched with `jax.vmap` like the
+modules.
 """
 
 import argparse
@@ -24,13 +25,16 @@ SCAN = [  # steps, block_d, num_warps
     (16, 16, 1),
     (16, 64, 4),
 ]
-LINEAR = [  # block_dv, chunk, num_stages
-    (None, 32, 1),
-    (64, 32, 1),
-    (32, 32, 1),
-    (16, 32, 1),
-    (32, 64, 1),
-    (32, 64, 2),
+LINEAR = [  # block_dv, chunk, num_stages, num_warps, chunk_parallel_backward
+    (32, 32, 1, 4, False),  # the default for RLA's wide states
+    (32, 32, 1, 8, False),
+    (32, 32, 1, 4, True),
+    (32, 64, 1, 4, True),
+    (64, 64, 1, 8, True),
+    (64, 32, 1, 4, True),
+    (None, 32, 1, 4, False),
+    (16, 32, 1, 4, False),
+    (32, 64, 2, 4, False),
 ]
 
 
@@ -78,6 +82,8 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--kernel", nargs="+", default=["selective_scan", "chunked_linear"],
+                        choices=["selective_scan", "chunked_linear"])  # fmt: skip
     args = parser.parse_args()
     key = jax.random.key(0)
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run
@@ -93,10 +99,13 @@ def main():
         for s, bd, w in SCAN
     ]
     cases += [("chunked_linear", linear, linear_args,
-               ssm.ChunkedLinearConfig(block_dv=bdv, chunk=c, num_stages=st, interpret=interpret))
-              for bdv, c, st in LINEAR]  # fmt: skip
+               ssm.ChunkedLinearConfig(block_dv=bdv, chunk=c, num_stages=st, num_warps=w,
+                                       chunk_parallel_backward=par, interpret=interpret))
+              for bdv, c, st, w, par in LINEAR]  # fmt: skip
     writer, env = RowWriter(args.out), dict(device=device_info(), versions=versions())
     for kernel, build, operands, cfg in cases:
+        if kernel not in args.kernel:
+            continue
         row = dict(kernel=kernel, batch=args.batch, seq=args.seq, config=repr(cfg), status="ok")
         row.update(env)
         try:

@@ -64,3 +64,34 @@ def test_linear_branch_kernel(getkey, dtype, dk):
         return (out / seq,)
 
     _agree(f, (q, k, v), dtype)
+
+
+@pytest.mark.parametrize("op", ["ssd", "linear_branch"])
+def test_chunk_parallel_backward_on_gpu(getkey, op):
+    from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig
+
+    seq, dtype = 1000, jnp.bfloat16
+    if op == "ssd":
+        heads, p, n = 8, 64, 64
+        cfg = ChunkedLinearConfig(chunk_parallel_backward=True)
+        x = jax.random.normal(getkey(), (seq, heads, p))
+        dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, heads)) - 3.0)
+        a = -jnp.linspace(1.0, 16.0, heads)
+        b, c = (jax.random.normal(getkey(), (seq, n)) / n**0.5 for _ in range(2))
+        args = tuple(t.astype(dtype) for t in (x, dt, a, b, c))
+
+        def f(impl, *a):
+            config = cfg if impl == "triton" else None
+            return ssd(*a, jnp.ones(heads), implementation=impl, config=config)
+
+    else:
+        heads, dk = 4, 128
+        cfg = ChunkedLinearConfig(chunk=32, block_dv=32, chunk_parallel_backward=True)
+        args = tuple(jax.random.normal(getkey(), (seq, heads, dk)).astype(dtype) for _ in range(3))
+
+        def f(impl, q, k, v):
+            config = cfg if impl == "triton" else None
+            return (linear_outside_window(q, k, v, window=128, implementation=impl,
+                                          config=config) / seq,)  # fmt: skip
+
+    _agree(f, args, dtype)

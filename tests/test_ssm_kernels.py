@@ -66,10 +66,16 @@ def test_selective_scan_kernel(getkey, dtype, seq, d, n, config):
 
 # block_dv=16 splits the 20 (padded: 32) value columns over two programs per head.
 SPLIT_CFG = ChunkedLinearConfig(chunk=16, block_dv=16, interpret=True)
+# The two-kernel backward: the state's gradient per chunk, then a program per chunk.
+PARALLEL_CFG = ChunkedLinearConfig(
+    chunk=16, block_dv=16, chunk_parallel_backward=True, interpret=True
+)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("seq, config", [(37, CHUNK_CFG), (16, CHUNK_CFG), (37, SPLIT_CFG)])
+@pytest.mark.parametrize(
+    "seq, config", [(37, CHUNK_CFG), (16, CHUNK_CFG), (37, SPLIT_CFG), (37, PARALLEL_CFG)]
+)
 def test_ssd_kernel(getkey, dtype, seq, config):
     heads, p, n = 3, 20, 12
     x = jax.random.normal(getkey(), (seq, heads, p))
@@ -92,7 +98,8 @@ def test_ssd_kernel(getkey, dtype, seq, config):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "window, config", [(1, CHUNK_CFG), (5, CHUNK_CFG), (40, CHUNK_CFG), (5, SPLIT_CFG)]
+    "window, config",
+    [(1, CHUNK_CFG), (5, CHUNK_CFG), (40, CHUNK_CFG), (5, SPLIT_CFG), (5, PARALLEL_CFG)],
 )  # 40 > seq: the branch is all zeros
 def test_linear_branch_kernel(getkey, dtype, window, config):
     seq, heads, dk = 37, 2, 20

@@ -127,9 +127,11 @@ def test_ssm_kernels_lower(verified_modules):
     )
     lower_for_gpu(value_and_grads(lambda *a: linear(*a)[0], (0, 1, 2, 3)), q, k, v, decay,
                   jnp.zeros((heads, dk, dv)))  # fmt: skip
-    split = functools.partial(
-        triton_ssm.chunked_linear_attention, config=triton_ssm.ChunkedLinearConfig(block_dv=16)
-    )
-    lower_for_gpu(value_and_grads(lambda *a: split(*a)[0], (0, 1, 2, 3)), q, k, v, decay,
-                  jnp.zeros((heads, dk, dv)))  # fmt: skip
-    assert len(verified_modules) >= 6
+    for cfg in (
+        triton_ssm.ChunkedLinearConfig(block_dv=16),
+        triton_ssm.ChunkedLinearConfig(block_dv=16, chunk_parallel_backward=True),
+    ):
+        split = functools.partial(triton_ssm.chunked_linear_attention, config=cfg)
+        lower_for_gpu(value_and_grads(lambda *a, f=split: f(*a)[0], (0, 1, 2, 3)), q, k, v,
+                      decay, jnp.zeros((heads, dk, dv)))  # fmt: skip
+    assert len(verified_modules) >= 9

@@ -85,6 +85,11 @@ class ChunkedLinearConfig:
             dq/dk/decay gradients are per-block partials summed afterwards.
         num_warps: warps per program.
         num_stages: software pipelining depth of the chunk loop.
+        chunk_parallel_backward: the backward in two kernels: a sequential pass that
+            carries only the state's gradient back over the chunks and stores it per
+            chunk, then one program per (head, value block, chunk) for dq, dk, dv and
+            the decay's gradient. The single-kernel backward walks all of that
+            sequentially per head, its program holding every operand at once.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
@@ -92,6 +97,7 @@ class ChunkedLinearConfig:
     block_dv: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    chunk_parallel_backward: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -300,19 +306,29 @@ def _scaled(x, factor):
     return x if factor is None else x * factor
 
 
-def _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay):
-    """A chunk's q, k, v, its causal decay-weighted pair matrix, and its `_Decay`."""
-    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
+def _chunk_rows(c, chunk):
+    """Rows of chunk `c` (a loop index, or a Python int within one chunk's block)."""
+    return pl.ds(c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk), chunk)
+
+
+def _chunk_decay(g_ref, c, chunk, decay):
+    """A chunk's causal decay-weighted pair matrix and its `_Decay` (`None`: no decay)."""
     idx = jnp.arange(chunk, dtype=jnp.int32)
     causal = idx[:, None] >= idx[None, :]
     if not decay:
-        return q, k, v, causal.astype(f32), None
-    g = g_ref[rows]  # chunk-local cumulative log decay, non-increasing, <= 0
+        return causal.astype(f32), None
+    g = g_ref[_chunk_rows(c, chunk)]  # chunk-local cumulative log decay, non-increasing
     g_last = jnp.sum(jnp.where(idx == chunk - 1, g, 0.0))
     pair = jnp.exp(jnp.where(causal, g[:, None] - g[None, :], -jnp.inf))
     factors = _Decay(jnp.exp(g)[:, None], jnp.exp(g_last - g)[:, None], jnp.exp(g_last))
-    return q, k, v, pair, factors
+    return pair, factors
+
+
+def _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay):
+    """A chunk's q, k, v, its causal decay-weighted pair matrix, and its `_Decay`."""
+    rows = _chunk_rows(c, chunk)
+    pair, factors = _chunk_decay(g_ref, c, chunk, decay)
+    return q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], pair, factors
 
 
 def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *states,
@@ -328,12 +344,41 @@ def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *state
         o = _dot(scores.astype(dtype), v)
         q_in = _scaled(q, None if dec is None else dec.from_start)
         o = o + _dot(q_in.astype(dtype), state.astype(dtype))
-        o_ref[pl.ds(c * chunk, chunk), :] = o.astype(o_ref.dtype)
+        o_ref[_chunk_rows(c, chunk), :] = o.astype(o_ref.dtype)
         k_in = _scaled(k, None if dec is None else dec.to_end)
         update = _dot(k_in.astype(dtype), v, trans_a=True)
         return (state if dec is None else dec.whole * state) + update
 
     ht_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // chunk, body, h0_ref[...].astype(f32))
+
+
+def _chunk_grads(q, k, v, pair, dec, do, state, ds, chunk: int):
+    """A chunk's dq, dk, dv and decay gradient (`None` without decay).
+
+    `state` is the state at the chunk's start, `ds` the gradient of the one after it.
+    """
+    lo = lambda t: t.astype(v.dtype)  # noqa: E731
+    from_start = None if dec is None else dec.from_start
+    to_end = None if dec is None else dec.to_end
+    scores = _dot(q, k, trans_b=True) * pair
+    dscores = _dot(do, v, trans_b=True) * pair
+    dq = _scaled(_dot(lo(do), lo(state), trans_b=True), from_start) + _dot(lo(dscores), k)
+    dk = _scaled(_dot(v, lo(ds), trans_b=True), to_end) + _dot(lo(dscores), q, trans_a=True)
+    k_in = _scaled(k, to_end)
+    dv = _dot(lo(k_in), lo(ds)) + _dot(lo(scores), do, trans_a=True)
+    if dec is None:
+        return dq, dk, dv, None
+    after = dec.whole * state + _dot(lo(k_in), v, trans_a=True)
+    idx = jnp.arange(chunk, dtype=jnp.int32)
+    dg = jnp.sum(q.astype(f32) * dq, axis=1) - jnp.sum(k.astype(f32) * dk, axis=1)
+    return dq, dk, dv, dg + jnp.where(idx == chunk - 1, jnp.sum(ds * after), 0.0)
+
+
+def _state_grad_before(q, dec, do, ds):
+    """The gradient of the state at a chunk's start from `ds`, that of the one after it."""
+    q_in = _scaled(q, None if dec is None else dec.from_start)
+    carried = ds if dec is None else dec.whole * ds
+    return carried + _dot(q_in.astype(do.dtype), do, trans_a=True)
 
 
 def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
@@ -345,32 +390,44 @@ def _linear_bwd_kernel(*refs, chunk: int, decay: bool):
     def body(i, ds):
         c = n_chunks - 1 - i
         q, k, v, pair, dec = _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay)
-        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        rows = _chunk_rows(c, chunk)
         do = do_ref[rows, :]
         state = states_ref[pl.ds(c * dk_dim, dk_dim), :]  # at the chunk start
-        dtype = v.dtype
-        lo = lambda t: t.astype(dtype)  # noqa: E731
-        from_start = None if dec is None else dec.from_start
-        to_end = None if dec is None else dec.to_end
-        scores = _dot(q, k, trans_b=True) * pair
-        dscores = _dot(do, v, trans_b=True) * pair
-        dq = _scaled(_dot(lo(do), lo(state), trans_b=True), from_start) + _dot(lo(dscores), k)
-        dk = _scaled(_dot(v, lo(ds), trans_b=True), to_end) + _dot(lo(dscores), q, trans_a=True)
-        k_in = _scaled(k, to_end)
-        dv = _dot(lo(k_in), lo(ds)) + _dot(lo(scores), do, trans_a=True)
+        dq, dk, dv, dg = _chunk_grads(q, k, v, pair, dec, do, state, ds, chunk)
         dq_ref[rows, :] = dq
         dk_ref[rows, :] = dk
         dv_ref[rows, :] = dv
-        q_in = _scaled(q, from_start)
-        if dec is not None:
-            after = dec.whole * state + _dot(lo(k_in), v, trans_a=True)
-            idx = jnp.arange(chunk, dtype=jnp.int32)
-            dg = jnp.sum(q.astype(f32) * dq, axis=1) - jnp.sum(k.astype(f32) * dk, axis=1)
-            dg_ref[rows] = dg + jnp.where(idx == chunk - 1, jnp.sum(ds * after), 0.0)
-            ds = dec.whole * ds
-        return ds + _dot(lo(q_in), do, trans_a=True)
+        if dg is not None:
+            dg_ref[rows] = dg
+        return _state_grad_before(q, dec, do, ds)
 
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
+
+
+def _linear_dstate_kernel(q_ref, g_ref, do_ref, dht_ref, dstates_ref, dh0_ref, *, chunk: int,
+                          decay: bool):  # fmt: skip
+    """Pass 1 of the chunk-parallel backward: each chunk's `ds`, walking back."""
+    dk_dim = q_ref.shape[1]
+    n_chunks = q_ref.shape[0] // chunk
+
+    def body(i, ds):
+        c = n_chunks - 1 - i
+        dstates_ref[pl.ds(c * dk_dim, dk_dim), :] = ds
+        rows = _chunk_rows(c, chunk)
+        _, dec = _chunk_decay(g_ref, c, chunk, decay)
+        return _state_grad_before(q_ref[rows, :], dec, do_ref[rows, :], ds)
+
+    dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
+
+
+def _linear_chunk_grads_kernel(q_ref, k_ref, v_ref, g_ref, state_ref, do_ref, ds_ref, dq_ref,
+                               dk_ref, dv_ref, dg_ref, *, chunk: int, decay: bool):  # fmt: skip
+    """Pass 2 of the chunk-parallel backward: one chunk (of one head and value block)."""
+    q, k, v, pair, dec = _chunk_operands(q_ref, k_ref, v_ref, g_ref, 0, chunk, decay)
+    dq, dk, dv, dg = _chunk_grads(q, k, v, pair, dec, do_ref[...], state_ref[...], ds_ref[...],
+                                  chunk)  # fmt: skip
+    dq_ref[...], dk_ref[...], dv_ref[...] = dq, dk, dv
+    dg_ref[...] = jnp.zeros((chunk,), f32) if dg is None else dg
 
 
 def _linear_specs(seq, dk, block_dv, group, n_chunks):
@@ -384,6 +441,17 @@ def _linear_specs(seq, dk, block_dv, group, n_chunks):
     partial_qk = pl.BlockSpec((None, seq, None, dk), lambda h, j: (j, 0, h, 0))
     partial_g = pl.BlockSpec((None, None, seq), lambda h, j: (j, h, 0))
     return qk, values, g, state, states, partial_qk, partial_g
+
+
+def _chunk_specs(chunk, dk, block_dv, group):
+    """`_linear_specs` for a grid (head, value block, chunk): one chunk a program."""
+    qk = pl.BlockSpec((chunk, None, dk), lambda h, j, c: (c, h // group, 0))
+    values = pl.BlockSpec((chunk, None, block_dv), lambda h, j, c: (c, h, j))
+    g = pl.BlockSpec((None, chunk), lambda h, j, c: (h, c))
+    state = pl.BlockSpec((None, dk, block_dv), lambda h, j, c: (h, c, j))  # of `states`
+    partial_qk = pl.BlockSpec((None, chunk, None, dk), lambda h, j, c: (j, c, h, 0))
+    partial_g = pl.BlockSpec((None, None, chunk), lambda h, j, c: (j, h, c))
+    return qk, values, g, state, partial_qk, partial_g
 
 
 def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearConfig):
@@ -449,19 +517,44 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
         o, h_last, saved = forward(*ops, keep_states=True)
         return unpad(o, h_last), (ops, saved, (q, k, v, g, h0))
 
-    def run_bwd(residuals, cotangents):
-        (qp, kp, vp, gp, _), saved, primals = residuals
-        do, dh_last = cotangents
+    grad_qk = jax.ShapeDtypeStruct((n_blocks, seq_p, heads, dk_p), f32)
+    grad_g = jax.ShapeDtypeStruct((n_blocks, heads, seq_p), f32)
+
+    def sequential_backward(qp, kp, vp, gp, saved, dop, dhtp):
         kernel = functools.partial(_linear_bwd_kernel, chunk=chunk, decay=decay)
-        grad_qk = jax.ShapeDtypeStruct((n_blocks, seq_p, heads, dk_p), f32)
-        dq, dk_, dv_, dg, dh0 = _call(
+        return _call(
             kernel, cfg, grid,
             [qk_spec, qk_spec, values, g_spec, states, values, state],
             [partial_qk, partial_qk, values, partial_g, state],
-            [grad_qk, grad_qk, o_shape, jax.ShapeDtypeStruct((n_blocks, heads, seq_p), f32),
-             s_shape],
+            [grad_qk, grad_qk, o_shape, grad_g, s_shape],
             "probjax_chunked_linear_bwd_triton",
-        )(qp, kp, vp, gp, saved, pad(do, dv_p), pad_state(dh_last))  # fmt: skip
+        )(qp, kp, vp, gp, saved, dop, dhtp)  # fmt: skip
+
+    def chunk_parallel_backward(qp, kp, vp, gp, saved, dop, dhtp):
+        pass_1 = functools.partial(_linear_dstate_kernel, chunk=chunk, decay=decay)
+        dstates, dh0 = _call(
+            pass_1, cfg, grid, [qk_spec, g_spec, values, state], [states, state],
+            [jax.ShapeDtypeStruct(saved.shape, f32), s_shape],
+            "probjax_chunked_linear_bwd_state_triton",
+        )(qp, gp, dop, dhtp)  # fmt: skip
+        c_qk, c_values, c_g, c_state, c_partial_qk, c_partial_g = _chunk_specs(
+            chunk, dk_p, block_dv, group
+        )
+        pass_2 = functools.partial(_linear_chunk_grads_kernel, chunk=chunk, decay=decay)
+        dq, dk_, dv_, dg = _call(
+            pass_2, cfg, (heads, n_blocks, n_chunks),
+            [c_qk, c_qk, c_values, c_g, c_state, c_values, c_state],
+            [c_partial_qk, c_partial_qk, c_values, c_partial_g],
+            [grad_qk, grad_qk, o_shape, grad_g],
+            "probjax_chunked_linear_bwd_chunks_triton",
+        )(qp, kp, vp, gp, saved, dop, dstates)  # fmt: skip
+        return dq, dk_, dv_, dg, dh0
+
+    def run_bwd(residuals, cotangents):
+        (qp, kp, vp, gp, _), saved, primals = residuals
+        do, dh_last = cotangents
+        backward = chunk_parallel_backward if cfg.chunk_parallel_backward else sequential_backward
+        dq, dk_, dv_, dg, dh0 = backward(qp, kp, vp, gp, saved, pad(do, dv_p), pad_state(dh_last))
         dq, dk_, dg = (t.sum(0) for t in (dq, dk_, dg))  # the value blocks' partials
         # Heads that share q/k add their shares; the cumsum's cotangent is a reverse cumsum.
         fold = lambda t: t[:seq, :, :dk].reshape(seq, kv_heads, group, dk).sum(2)  # noqa: E731
