@@ -1,4 +1,4 @@
-"""The one comparison of an attention implementation against the float32 oracle."""
+"""Shared checks: an attention implementation against the float32 oracle; row scatters."""
 
 import jax
 import jax.numpy as jnp
@@ -31,3 +31,20 @@ def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=Fals
         assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{name} not finite"
         assert_close(a, b, dtype, grad=True, tf32=tf32, err_msg=f"d{name}")
     return out, grads
+
+
+def float_row_scatters(jaxpr, width: int) -> list[str]:
+    """Scatters into float arrays of rows at least `width` wide anywhere in `jaxpr` (the
+    router's top-k gradient scatters into `[tokens, experts]`: narrower)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        operand = eqn.invars[0].aval if eqn.invars else None
+        if (eqn.primitive.name.startswith("scatter") and jnp.issubdtype(operand.dtype, jnp.floating)
+                and operand.ndim >= 2 and operand.shape[-1] >= width):  # fmt: skip
+            found.append(f"{eqn.primitive.name} {operand}")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += float_row_scatters(inner, width)
+    return found

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _check import float_row_scatters
 from _tolerance import assert_close
 from probjax_eqx import MoE, UnsupportedError, grouped_matmul
 from probjax_eqx import moe as moe_module
@@ -292,23 +293,6 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
 
 
-def _float_row_scatters(jaxpr, width: int) -> list[str]:
-    """Scatters into float arrays of rows at least `width` wide anywhere in `jaxpr` (the
-    router's top-k gradient scatters into `[tokens, experts]`: narrower)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        operand = eqn.invars[0].aval if eqn.invars else None
-        if (eqn.primitive.name.startswith("scatter") and jnp.issubdtype(operand.dtype, jnp.floating)
-                and operand.ndim >= 2 and operand.shape[-1] >= width):  # fmt: skip
-            found.append(f"{eqn.primitive.name} {operand}")
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _float_row_scatters(inner, width)
-    return found
-
-
 @pytest.mark.parametrize("dispatch", ["xla", "triton", "fused_gsum", "mosaic"])
 def test_moe_train_step_moves_rows_by_gathers(getkey, dispatch):
     # Copying tokens to their expert rows and combining them back are gathers both ways
@@ -316,13 +300,13 @@ def test_moe_train_step_moves_rows_by_gathers(getkey, dispatch):
     moe = make_moe(getkey(), dispatch, top_k=2, compute_dtype="bfloat16")
     x = jax.random.normal(getkey(), (19, 16))
     step = eqx.filter_grad(lambda m, x: jnp.sum(m(x)[0]))
-    assert _float_row_scatters(jax.make_jaxpr(step)(moe, x).jaxpr, width=16) == []
+    assert float_row_scatters(jax.make_jaxpr(step)(moe, x).jaxpr, width=16) == []
     # The check sees such scatters: the combine as a scatter-add of rows.
     scatter_combine = lambda x: jnp.zeros((19, 16)).at[jnp.arange(38) // 2].add(x)  # noqa: E731
     closed = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(scatter_combine(x)))))(
         jnp.ones((38, 16))
     )
-    assert _float_row_scatters(closed.jaxpr, width=16)
+    assert float_row_scatters(closed.jaxpr, width=16)
 
 
 @pytest.mark.parametrize("dispatch", ["auto", "xla", "triton", "fused_gsum"])

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from _check import check_against_oracle
+from _check import check_against_oracle, float_row_scatters
 from _parallel import mesh_of, ring
 from _tolerance import assert_close
 from probjax_eqx import Attention, MoE, UnsupportedError, masks
@@ -132,6 +132,9 @@ def test_expert_parallel_matches_one_device(getkey, monkeypatch, exchange, axes)
     want = eqx.filter_grad(loss(lambda m, x: m(x)))(moe, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(a, b, jnp.float32, grad=True)
+    if exchange == "gather":  # rows move by gathers both ways (the emulated a2a scatters)
+        step = jax.make_jaxpr(eqx.filter_grad(loss(sharded)))(moe, x)
+        assert float_row_scatters(step.jaxpr, width=16) == []
 
 
 def test_expert_parallel_on_the_triton_grouped_matmul(getkey):

@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from probjax_eqx.backends import UnsupportedError
-from probjax_eqx.moe import MoE, MoEAux, swiglu
+from probjax_eqx.kernels.triton.grouped_matmul import permute_rows
+from probjax_eqx.moe import MoE, MoEAux, combine_rows, copy_to_rows, inverse_permutation, swiglu
 
 Exchange = Literal["auto", "all_to_all", "gather"]
 
@@ -99,9 +100,10 @@ def _gather_exchange(moe: MoE, x, experts, weights, axis: str):
     local, first = _local_experts(moe, axis)
     order, sizes = _sort_local(eg, first, local)
     token_of = order // moe.top_k
-    ys = _expert_ffn(moe, xg[token_of], sizes).astype(jnp.float32) * wg[order][:, None]
-    y = jnp.zeros(xg.shape, jnp.float32).at[token_of].add(ys)
-    return jax.lax.psum_scatter(y, axis, tiled=True)
+    slots = inverse_permutation(order).reshape(-1, moe.top_k)
+    xs = copy_to_rows(xg, token_of, slots)
+    ys = _expert_ffn(moe, xs, sizes).astype(jnp.float32) * wg[order][:, None]
+    return jax.lax.psum_scatter(combine_rows(ys, slots, token_of), axis, tiled=True)
 
 
 def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
@@ -126,11 +128,13 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
         out = jnp.full((capacity,) + values.shape[1:], fill, values.dtype)
         return _ragged_all_to_all(values, out, in_off, send, out_off, recv, axis_name=axis)
 
-    rows = exchange(x[token_of], 0)
+    slots = inverse_permutation(order).reshape(tokens, moe.top_k)
+    rows = exchange(copy_to_rows(x, token_of, slots), 0)
     row_expert = exchange(flat[order].astype(jnp.int32), -1)  # -1: unfilled rows
     local_order, sizes = _sort_local(row_expert, first, local)
-    ys = _expert_ffn(moe, rows[local_order], sizes)
-    ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to arrival order
+    arrival = inverse_permutation(local_order)
+    ys = _expert_ffn(moe, permute_rows(rows, local_order, arrival), sizes)
+    ys = permute_rows(ys, arrival, local_order)  # back to arrival order
     # The reverse exchange: what I received from each sender goes back to it.
     recv_by = sent_by.T  # [receiver, sender]
     back_out_off = (jnp.cumsum(recv_by, axis=0) - recv_by)[me]
@@ -138,7 +142,7 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     back = jnp.zeros((tokens * moe.top_k, d_model), ys.dtype)
     ys = _ragged_all_to_all(ys, back, back_in_off, recv, back_out_off, send, axis_name=axis)
     ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((tokens, d_model), jnp.float32).at[token_of].add(ys)
+    return combine_rows(ys, slots, token_of)
 
 
 def _refuse_fused(moe: MoE) -> None:

@@ -417,19 +417,24 @@ def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m:
     return lay, rows, scale
 
 
+def inverse_permutation(order):
+    """`inverse[order[i]] = i` (an integer scatter of one value per row)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
 # The dispatch's copy of each token to its top-k rows and the combine back are each
 # other's transposes. As a gather and a scatter-add (`x[rows]`, `.at[rows].add`) one of
 # them is a scatter-add forward and backward, slow on GPUs; here both directions are
 # gathers: `slots[t]` lists the k rows holding token t, and `rows[r]` the token of row r
 # (out of range, e.g. padding rows: none).
 @jax.custom_vjp
-def _copy_to_rows(x, rows, slots):
+def copy_to_rows(x, rows, slots):
     """`out[r] = x[rows[r]]`, zeros where `rows[r]` is out of range."""
     return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
 
 
 @jax.custom_vjp
-def _combine_rows(ys, slots, rows):
+def combine_rows(ys, slots, rows):
     """`out[t] = sum_k ys[slots[t, k]]` in float32: the rows of each token summed."""
     out = jnp.take(ys, slots[:, 0], axis=0).astype(jnp.float32)
     for k in range(1, slots.shape[1]):  # k gathers into one fused sum, no [t, k, d]
@@ -437,22 +442,22 @@ def _combine_rows(ys, slots, rows):
     return out
 
 
-def _copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
+def copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
     rows, slots = residuals
-    return _combine_rows(dout, slots, rows).astype(dout.dtype), None, None
+    return combine_rows(dout, slots, rows).astype(dout.dtype), None, None
 
 
-def _combine_rows_bwd(residuals, dout):
+def combine_rows_bwd(residuals, dout):
     slots, rows, like_ys = residuals  # like_ys: an empty array of ys's dtype
-    return _copy_to_rows(dout, rows, slots).astype(like_ys.dtype), None, None
+    return copy_to_rows(dout, rows, slots).astype(like_ys.dtype), None, None
 
 
-_copy_to_rows.defvjp(
-    lambda x, rows, slots: (_copy_to_rows(x, rows, slots), (rows, slots)), _copy_to_rows_bwd
+copy_to_rows.defvjp(
+    lambda x, rows, slots: (copy_to_rows(x, rows, slots), (rows, slots)), copy_to_rows_bwd
 )
-_combine_rows.defvjp(
-    lambda ys, slots, rows: (_combine_rows(ys, slots, rows), (slots, rows, ys[:0, :0])),
-    _combine_rows_bwd,
+combine_rows.defvjp(
+    lambda ys, slots, rows: (combine_rows(ys, slots, rows), (slots, rows, ys[:0, :0])),
+    combine_rows_bwd,
 )
 
 
@@ -581,9 +586,7 @@ class MoE(eqx.Module):
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
-        # The sorted row of each (token, slot): `order`'s inverse.
-        sorted_row = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-        slots = sorted_row.reshape(experts.shape)
+        slots = inverse_permutation(order).reshape(experts.shape)  # each (token, slot)'s row
         group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
         sorted_weights = weights.reshape(-1)[order]
         choice = self.explain(x)  # validates the call and fills the kernel's config
@@ -602,11 +605,11 @@ class MoE(eqx.Module):
 
     def _sorted(self, x, token_of, slots, sorted_weights, group_sizes):
         """The top-k copies sorted by expert, through `grouped_matmul` (XLA, Triton in place)."""
-        xs = _copy_to_rows(x, token_of, slots)
+        xs = copy_to_rows(x, token_of, slots)
         h13 = self._gmm(xs, self.gate_up_weights(x.dtype), group_sizes)
         h = swiglu(h13, self.w_gate.shape[2])
         ys = self._gmm(h, self.w_down.astype(x.dtype), group_sizes).astype(jnp.float32)
-        return _combine_rows(ys * sorted_weights[:, None], slots, token_of)
+        return combine_rows(ys * sorted_weights[:, None], slots, token_of)
 
     def _padded(self, x, token_of, slots, sorted_weights, group_sizes, kernels):
         """The sorted dispatch with the copies gathered once into the kernels' padded layout.
@@ -621,12 +624,12 @@ class MoE(eqx.Module):
         slots_p = lay.dest[slots]  # each (token, slot)'s padded row
         w13_p, k_pad, _ = triton_gmm.padded_rhs(self.gate_up_weights(x.dtype), kernels.config)
         x_cols = jnp.pad(x, ((0, 0), (0, k_pad - d_model)))
-        xs_p = _copy_to_rows(x_cols, rows, slots_p)  # padding rows (token `tokens`) get zeros
+        xs_p = copy_to_rows(x_cols, rows, slots_p)  # padding rows (token `tokens`) get zeros
         h = swiglu(triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels), d_ff)
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
         ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
-        return _combine_rows(ys.astype(jnp.float32) * scale[:, None], slots_p, rows)
+        return combine_rows(ys.astype(jnp.float32) * scale[:, None], slots_p, rows)
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, config = x.shape[0], choice.config

@@ -80,14 +80,14 @@ class Layout(eqx.Module):
     rows: int = eqx.field(static=True)  # padded row count
 
     # Both directions are gathers (`src` one way, `dest` the other), and so are their
-    # gradients (`_permute_rows`): a scatter of the rows into the padded buffer measured
+    # gradients (`permute_rows`): a scatter of the rows into the padded buffer measured
     # 5x slower than the gather back on the H200.
     def to_padded(self, x, cols: int | None = None):
         """`[M, c]` rows -> `[rows, cols]` in the padded layout (zeros elsewhere)."""
         cols = x.shape[1] if cols is None else cols
         if cols != x.shape[1]:
             x = jnp.pad(x, ((0, 0), (0, cols - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
-        return _permute_rows(x, self.src, self.dest)
+        return permute_rows(x, self.src, self.dest)
 
     def tokens(self, token_of_row, n_tokens: int):
         """`[rows]` token of each padded row; padding rows get the spare row `n_tokens`."""
@@ -96,11 +96,11 @@ class Layout(eqx.Module):
 
     def from_padded(self, x, cols: int):
         """The rows of `x` in sorted order (zeros for rows past the groups)."""
-        return _permute_rows(x[:, :cols], self.dest, self.src)
+        return permute_rows(x[:, :cols], self.dest, self.src)
 
 
 @jax.custom_vjp
-def _permute_rows(x, index, inverse):
+def permute_rows(x, index, inverse):
     """`x[index]` (zeros where out of range) for an `index` taking each row at most once.
 
     `inverse` is the index that takes the rows back.
@@ -112,16 +112,16 @@ def _permute_rows(x, index, inverse):
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def _permute_rows_fwd(x, index, inverse):
-    return _permute_rows(x, index, inverse), (index, inverse)
+def permute_rows_fwd(x, index, inverse):
+    return permute_rows(x, index, inverse), (index, inverse)
 
 
-def _permute_rows_bwd(residuals, dout):
+def permute_rows_bwd(residuals, dout):
     index, inverse = residuals
-    return _permute_rows(dout, inverse, index), None, None
+    return permute_rows(dout, inverse, index), None, None
 
 
-_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+permute_rows.defvjp(permute_rows_fwd, permute_rows_bwd)
 
 
 def _group_of(group_ends, values):
