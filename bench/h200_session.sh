@@ -24,13 +24,15 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
 case "${1:?stage 1, 2 or 3}" in
   1)
     # GPU tests of session 10's changes (cuDNN at head_dim 256; the MoE and grouped
-    # matmul now move rows by gathers both ways), then the grouped matmul at 1M rows and
-    # every MoE dispatch at 131k tokens (run 17: Mosaic 18.7 ms fwd+bwd, of which its
-    # kernels took 2.5: the rest was scatter-adds and row copies).
+    # matmul now move rows by gathers both ways), then the grouped matmul at 131k and 1M
+    # rows and the MoE dispatches at 16k and 131k tokens (run 17: Mosaic 18.7 ms fwd+bwd
+    # at 1M rows, of which its kernels took 2.5; 131k rows last ran in run 9).
     step 150 gpu_tests env OUT=/tmp/tests bash -c 'mkdir -p $OUT; bash bench/gpu_tests.sh \
       -k "cudnn_head_dim_256 or grouped_matmul or moe or cudnn_matches"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt'
-    step 100 sweep_gmm python3 -m bench.sweep_gmm --out "$out/sweep_gmm.json" --impl mosaic
+    suite 120 moe16k --suite moe --seq 16384 --only "grouped_matmul triton" \
+      "grouped_matmul mosaic" "grouped_matmul dense balanced" "probjax moe auto" \
+      "probjax moe mosaic" "probjax moe triton"
     suite 280 moe --suite moe --seq 131072 --only "grouped_matmul triton" \
       "grouped_matmul mosaic" "grouped_matmul tokamax" "probjax moe auto" "probjax moe mosaic" \
       "probjax moe triton"
@@ -48,13 +50,14 @@ case "${1:?stage 1, 2 or 3}" in
   3)
     # RLA's linear branch: warps and the chunk-parallel backward (new in session 10; the
     # single-kernel backward is ~6 ms of RLA's 7.7 ms fwd+bwd at T=4096), GPU SSM tests.
-    step 200 sweep_ssm python3 -m bench.sweep_ssm --out "$out/sweep_ssm.json" \
+    step 170 sweep_ssm python3 -m bench.sweep_ssm --out "$out/sweep_ssm.json" \
       --kernel chunked_linear
-    step 150 gpu_tests env OUT=/tmp/tests bash -c 'mkdir -p $OUT; bash bench/gpu_tests.sh \
+    step 90 sweep_gmm python3 -m bench.sweep_gmm --out "$out/sweep_gmm.json" --impl mosaic
+    step 120 gpu_tests env OUT=/tmp/tests bash -c 'mkdir -p $OUT; bash bench/gpu_tests.sh \
       -k "selective_scan or ssd or linear_branch or chunk_parallel"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt'
     # float32 attention rows run 17 did not reach (T=4096 at head_dim 128).
-    suite 100 attention_fp32 --suite attention --seq 4096 --set head_dim=128 dtype=float32 \
+    suite 90 attention_fp32 --suite attention --seq 4096 --set head_dim=128 dtype=float32 \
       causal=false --only "probjax auto" "probjax triton" "probjax xla" "torch sdpa efficient"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
