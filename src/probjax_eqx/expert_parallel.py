@@ -102,8 +102,8 @@ def _gather_exchange(moe: MoE, x, experts, weights, axis: str):
     token_of = order // moe.top_k
     slots = inverse_permutation(order).reshape(-1, moe.top_k)
     xs = copy_to_rows(xg, token_of, slots)
-    ys = _expert_ffn(moe, xs, sizes).astype(jnp.float32) * wg[order][:, None]
-    return jax.lax.psum_scatter(combine_rows(ys, slots, token_of), axis, tiled=True)
+    y = combine_rows(_expert_ffn(moe, xs, sizes), slots, token_of, wg[order])
+    return jax.lax.psum_scatter(y, axis, tiled=True)
 
 
 def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
@@ -141,8 +141,7 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     back_in_off = jnp.cumsum(recv) - recv
     back = jnp.zeros((tokens * moe.top_k, d_model), ys.dtype)
     ys = _ragged_all_to_all(ys, back, back_in_off, recv, back_out_off, send, axis_name=axis)
-    ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return combine_rows(ys, slots, token_of)
+    return combine_rows(ys, slots, token_of, weights.reshape(-1)[order])
 
 
 def _refuse_fused(moe: MoE) -> None:

@@ -422,11 +422,11 @@ def inverse_permutation(order):
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-# The dispatch's copy of each token to its top-k rows and the combine back are each
-# other's transposes. As a gather and a scatter-add (`x[rows]`, `.at[rows].add`) one of
-# them is a scatter-add forward and backward, slow on GPUs; here both directions are
-# gathers: `slots[t]` lists the k rows holding token t, and `rows[r]` the token of row r
-# (out of range, e.g. padding rows: none).
+# The dispatch's copy of each token to its top-k rows and the weighted combine back are
+# each other's transposes. As a gather and a scatter-add (`x[rows]`, `.at[rows].add`)
+# one of them is a scatter-add forward and backward, slow on GPUs; here both directions
+# are gathers: `slots[t]` lists the k rows holding token t, and `rows[r]` the token of
+# row r (out of range, e.g. padding rows: none).
 @jax.custom_vjp
 def copy_to_rows(x, rows, slots):
     """`out[r] = x[rows[r]]`, zeros where `rows[r]` is out of range."""
@@ -434,31 +434,44 @@ def copy_to_rows(x, rows, slots):
 
 
 @jax.custom_vjp
-def combine_rows(ys, slots, rows):
-    """`out[t] = sum_k ys[slots[t, k]]` in float32: the rows of each token summed."""
-    out = jnp.take(ys, slots[:, 0], axis=0).astype(jnp.float32)
+def combine_rows(ys, slots, rows, scale):
+    """`out[t] = sum_k scale[r] * ys[r]` over the rows `r = slots[t, k]`, in float32.
+
+    The rows stay in their (16-bit) dtype: each is widened and weighted inside the sum.
+    """
+
+    def term(k):
+        r = slots[:, k]
+        return jnp.take(ys, r, axis=0).astype(jnp.float32) * jnp.take(scale, r)[:, None]
+
+    out = term(0)
     for k in range(1, slots.shape[1]):  # k gathers into one fused sum, no [t, k, d]
-        out = out + jnp.take(ys, slots[:, k], axis=0).astype(jnp.float32)
+        out = out + term(k)
     return out
 
 
-def copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
+def _copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
     rows, slots = residuals
-    return combine_rows(dout, slots, rows).astype(dout.dtype), None, None
+    ones = jnp.ones(rows.shape, jnp.float32)
+    return combine_rows(dout, slots, rows, ones).astype(dout.dtype), None, None
 
 
-def combine_rows_bwd(residuals, dout):
-    slots, rows, like_ys = residuals  # like_ys: an empty array of ys's dtype
-    return copy_to_rows(dout, rows, slots).astype(like_ys.dtype), None, None
+def _combine_rows_bwd(residuals, dout):
+    ys, slots, rows, scale = residuals
+    per_row = copy_to_rows(dout, rows, slots)  # float32 [rows, d]
+    dys = (per_row * scale[:, None].astype(jnp.float32)).astype(ys.dtype)
+    dscale = jnp.sum(ys.astype(jnp.float32) * per_row, axis=-1).astype(scale.dtype)
+    return dys, None, None, dscale
 
 
 copy_to_rows.defvjp(
-    lambda x, rows, slots: (copy_to_rows(x, rows, slots), (rows, slots)), copy_to_rows_bwd
+    lambda x, rows, slots: (copy_to_rows(x, rows, slots), (rows, slots)), _copy_to_rows_bwd
 )
 combine_rows.defvjp(
-    lambda ys, slots, rows: (combine_rows(ys, slots, rows), (slots, rows, ys[:0, :0])),
-    combine_rows_bwd,
-)
+    lambda ys, slots, rows, scale: (combine_rows(ys, slots, rows, scale),
+                                    (ys, slots, rows, scale)),
+    _combine_rows_bwd,
+)  # fmt: skip
 
 
 class MoE(eqx.Module):
@@ -608,8 +621,8 @@ class MoE(eqx.Module):
         xs = copy_to_rows(x, token_of, slots)
         h13 = self._gmm(xs, self.gate_up_weights(x.dtype), group_sizes)
         h = swiglu(h13, self.w_gate.shape[2])
-        ys = self._gmm(h, self.w_down.astype(x.dtype), group_sizes).astype(jnp.float32)
-        return combine_rows(ys * sorted_weights[:, None], slots, token_of)
+        ys = self._gmm(h, self.w_down.astype(x.dtype), group_sizes)
+        return combine_rows(ys, slots, token_of, sorted_weights)
 
     def _padded(self, x, token_of, slots, sorted_weights, group_sizes, kernels):
         """The sorted dispatch with the copies gathered once into the kernels' padded layout.
@@ -629,7 +642,7 @@ class MoE(eqx.Module):
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
         ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
-        return combine_rows(ys.astype(jnp.float32) * scale[:, None], slots_p, rows)
+        return combine_rows(ys, slots_p, rows, scale)
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, config = x.shape[0], choice.config
