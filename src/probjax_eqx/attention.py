@@ -54,6 +54,11 @@ def _few_queries(call) -> bool:
 
 register_regime("attention", "few_queries", _few_queries)
 
+# float32 has no regime of its own: cuDNN and Mosaic refuse it and Triton (TF32 tensor
+# cores, as JAX's default float32 matmuls) comes before XLA (`HIGHEST`, exact). H200
+# run 17 (B4, H8, T 1024, fwd / fwd+bwd ms): Triton 0.078 / 0.478 at head_dim 64 and
+# 0.243 / 1.259 at 128, XLA 0.397 / 0.977 and 0.570 / 1.502.
+
 # Heads of <= 32 dims (set transformers): the matmuls are too thin for cuDNN's and
 # Mosaic's tiles to pay. H200 run 12, ISAB shapes (64 sets, 4 heads, 128 <-> 1024):
 # Triton fwd+bwd 0.188 / 0.210 ms vs cuDNN 0.350 / 0.315, Mosaic 0.347 / 0.346.
