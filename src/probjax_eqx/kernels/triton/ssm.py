@@ -311,24 +311,24 @@ def _chunk_rows(c, chunk):
     return pl.ds(c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk), chunk)
 
 
-def _chunk_decay(g_ref, c, chunk, decay):
-    """A chunk's causal decay-weighted pair matrix and its `_Decay` (`None`: no decay)."""
-    idx = jnp.arange(chunk, dtype=jnp.int32)
-    causal = idx[:, None] >= idx[None, :]
-    if not decay:
-        return causal.astype(f32), None
-    g = g_ref[_chunk_rows(c, chunk)]  # chunk-local cumulative log decay, non-increasing
-    g_last = jnp.sum(jnp.where(idx == chunk - 1, g, 0.0))
-    pair = jnp.exp(jnp.where(causal, g[:, None] - g[None, :], -jnp.inf))
-    factors = _Decay(jnp.exp(g)[:, None], jnp.exp(g_last - g)[:, None], jnp.exp(g_last))
-    return pair, factors
+def _chunk_decay(g_ref, c, chunk):
+    """A chunk's cumulative log decay `g` (chunk-local, non-increasing) and `_Decay`."""
+    g = g_ref[_chunk_rows(c, chunk)]
+    g_last = jnp.sum(jnp.where(jnp.arange(chunk, dtype=jnp.int32) == chunk - 1, g, 0.0))
+    return g, _Decay(jnp.exp(g)[:, None], jnp.exp(g_last - g)[:, None], jnp.exp(g_last))
 
 
 def _chunk_operands(q_ref, k_ref, v_ref, g_ref, c, chunk, decay):
     """A chunk's q, k, v, its causal decay-weighted pair matrix, and its `_Decay`."""
     rows = _chunk_rows(c, chunk)
-    pair, factors = _chunk_decay(g_ref, c, chunk, decay)
-    return q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], pair, factors
+    q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
+    idx = jnp.arange(chunk, dtype=jnp.int32)
+    causal = idx[:, None] >= idx[None, :]
+    if not decay:
+        return q, k, v, causal.astype(f32), None
+    g, factors = _chunk_decay(g_ref, c, chunk)
+    pair = jnp.exp(jnp.where(causal, g[:, None] - g[None, :], -jnp.inf))
+    return q, k, v, pair, factors
 
 
 def _linear_fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *states,
@@ -414,7 +414,7 @@ def _linear_dstate_kernel(q_ref, g_ref, do_ref, dht_ref, dstates_ref, dh0_ref, *
         c = n_chunks - 1 - i
         dstates_ref[pl.ds(c * dk_dim, dk_dim), :] = ds
         rows = _chunk_rows(c, chunk)
-        _, dec = _chunk_decay(g_ref, c, chunk, decay)
+        dec = _chunk_decay(g_ref, c, chunk)[1] if decay else None
         return _state_grad_before(q_ref[rows, :], dec, do_ref[rows, :], ds)
 
     dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, body, dht_ref[...].astype(f32))
