@@ -30,9 +30,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
 from probjax_eqx.backends import UnsupportedError
-from probjax_eqx.kernels.triton.grouped_matmul import permute_rows
-from probjax_eqx.moe import MoE, MoEAux, combine_rows, copy_to_rows, inverse_permutation, swiglu
+from probjax_eqx.moe import MoE, MoEAux, swiglu
 
 Exchange = Literal["auto", "all_to_all", "gather"]
 

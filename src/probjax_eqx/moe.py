@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation
 from probjax_eqx.backends import (
     Backend,
     Choice,
@@ -415,63 +416,6 @@ def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m:
     rows = lay.tokens(token_of, tokens)
     scale = lay.to_padded(sorted_weights[:, None])[:, 0]
     return lay, rows, scale
-
-
-def inverse_permutation(order):
-    """`inverse[order[i]] = i` (an integer scatter of one value per row)."""
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-
-
-# The dispatch's copy of each token to its top-k rows and the weighted combine back are
-# each other's transposes. As a gather and a scatter-add (`x[rows]`, `.at[rows].add`)
-# one of them is a scatter-add forward and backward, slow on GPUs; here both directions
-# are gathers: `slots[t]` lists the k rows holding token t, and `rows[r]` the token of
-# row r (out of range, e.g. padding rows: none).
-@jax.custom_vjp
-def copy_to_rows(x, rows, slots):
-    """`out[r] = x[rows[r]]`, zeros where `rows[r]` is out of range."""
-    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
-
-
-@jax.custom_vjp
-def combine_rows(ys, slots, rows, scale):
-    """`out[t] = sum_k scale[r] * ys[r]` over the rows `r = slots[t, k]`, in float32.
-
-    The rows stay in their (16-bit) dtype: each is widened and weighted inside the sum.
-    """
-
-    def term(k):
-        r = slots[:, k]
-        return jnp.take(ys, r, axis=0).astype(jnp.float32) * jnp.take(scale, r)[:, None]
-
-    out = term(0)
-    for k in range(1, slots.shape[1]):  # k gathers into one fused sum, no [t, k, d]
-        out = out + term(k)
-    return out
-
-
-def _copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
-    rows, slots = residuals
-    ones = jnp.ones(rows.shape, jnp.float32)
-    return combine_rows(dout, slots, rows, ones).astype(dout.dtype), None, None
-
-
-def _combine_rows_bwd(residuals, dout):
-    ys, slots, rows, scale = residuals
-    per_row = copy_to_rows(dout, rows, slots)  # float32 [rows, d]
-    dys = (per_row * scale[:, None].astype(jnp.float32)).astype(ys.dtype)
-    dscale = jnp.sum(ys.astype(jnp.float32) * per_row, axis=-1).astype(scale.dtype)
-    return dys, None, None, dscale
-
-
-copy_to_rows.defvjp(
-    lambda x, rows, slots: (copy_to_rows(x, rows, slots), (rows, slots)), _copy_to_rows_bwd
-)
-combine_rows.defvjp(
-    lambda ys, slots, rows, scale: (combine_rows(ys, slots, rows, scale),
-                                    (ys, slots, rows, scale)),
-    _combine_rows_bwd,
-)  # fmt: skip
 
 
 class MoE(eqx.Module):

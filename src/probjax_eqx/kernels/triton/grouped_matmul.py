@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from probjax_eqx._rows import permute_rows
+
 _MIN_BLOCK = 16
 
 
@@ -80,8 +82,7 @@ class Layout(eqx.Module):
     rows: int = eqx.field(static=True)  # padded row count
 
     # Both directions are gathers (`src` one way, `dest` the other), and so are their
-    # gradients (`permute_rows`): a scatter of the rows into the padded buffer measured
-    # 5x slower than the gather back on the H200.
+    # gradients (`permute_rows`).
     def to_padded(self, x, cols: int | None = None):
         """`[M, c]` rows -> `[rows, cols]` in the padded layout (zeros elsewhere)."""
         cols = x.shape[1] if cols is None else cols
@@ -97,31 +98,6 @@ class Layout(eqx.Module):
     def from_padded(self, x, cols: int):
         """The rows of `x` in sorted order (zeros for rows past the groups)."""
         return permute_rows(x[:, :cols], self.dest, self.src)
-
-
-@jax.custom_vjp
-def permute_rows(x, index, inverse):
-    """`x[index]` (zeros where out of range) for an `index` taking each row at most once.
-
-    `inverse` is the index that takes the rows back.
-    Its gradient is then the gather `dout[inverse]`, not the scatter-add of `jnp.take`'s
-    transpose. At 1M rows on the H200 (run 18) the Mosaic grouped matmul took 18.7 ms
-    fwd+bwd, of which its three kernels took 2.5 and the four row gathers about 3: the
-    two scatter-adds are what remains.
-    """
-    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-
-
-def permute_rows_fwd(x, index, inverse):
-    return permute_rows(x, index, inverse), (index, inverse)
-
-
-def permute_rows_bwd(residuals, dout):
-    index, inverse = residuals
-    return permute_rows(dout, inverse, index), None, None
-
-
-permute_rows.defvjp(permute_rows_fwd, permute_rows_bwd)
 
 
 def _group_of(group_ends, values):
