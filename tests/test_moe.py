@@ -173,6 +173,34 @@ def test_padded_layout_moves_rows_and_gradients_by_gathers(getkey, sizes):
         assert "scatter" not in backward, backward
 
 
+def test_row_moves_have_derivatives_of_every_order(getkey):
+    # Copy and combine are each other's transposes, a permutation's is its inverse
+    # (`probjax_eqx._rows`): first and second order against finite differences, with a
+    # padding row (token out of range) and top-2.
+    from jax.test_util import check_grads
+
+    from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
+
+    tokens, k, d = 5, 2, 3
+    order = jax.random.permutation(getkey(), tokens * k)
+    slots = inverse_permutation(order).reshape(tokens, k)
+    rows = jnp.concatenate([order // k, jnp.array([tokens])])  # one padding row at the end
+    x = jax.random.normal(getkey(), (tokens, d))
+    ys = jax.random.normal(getkey(), (tokens * k + 1, d))
+    scale = jax.random.uniform(getkey(), (tokens * k + 1,))
+    copied = copy_to_rows(x, rows, slots)
+    np.testing.assert_array_equal(copied[-1], 0.0)
+    np.testing.assert_allclose(copied[:-1], x[order // k])
+    want = jnp.zeros((tokens, d)).at[rows[:-1]].add(ys[:-1] * scale[:-1, None])
+    np.testing.assert_allclose(combine_rows(ys, slots, rows, scale), want, rtol=1e-6)
+    check_grads(lambda x: copy_to_rows(x, rows, slots), (x,), order=2, modes=["rev"])
+    check_grads(lambda ys, s: combine_rows(ys, slots, rows, s), (ys, scale), order=2,
+                modes=["rev"])  # fmt: skip
+    index = jnp.concatenate([order, jnp.array([tokens * k])])  # the last row reads zeros
+    check_grads(lambda y: permute_rows(y, index, inverse_permutation(order)), (ys[:-1],),
+                order=2, modes=["rev"])  # fmt: skip
+
+
 def test_grouped_matmul_refusals_and_choice(getkey):
     lhs, rhs = jnp.zeros((8, 16)), jnp.zeros((2, 16, 16))
     sizes = jnp.array([4, 4])
