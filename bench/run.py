@@ -21,7 +21,13 @@ from bench import (  # noqa: E402
     sequence_suite,
     set_transformer_suite,
 )
-from bench.harness import RowWriter, device_info, parse_overrides, versions  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RowWriter,
+    device_info,
+    parse_overrides,
+    versions,
+    warm_up_device,
+)
 
 SUITES = {
     "attention": attention_suite,
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
     unknown = set(overrides) - set().union(*axes.values())
     if unknown:
         parser.error(f"--set {sorted(unknown)}: no selected suite has such a grid axis")
+    warm_up_device()
     for suite in suites:
         rows = SUITES[suite].run(
             writer,

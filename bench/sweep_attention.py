@@ -9,7 +9,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, time_fn
+from bench.harness import RowWriter, classify, time_fn, warm_up_device
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
@@ -112,6 +112,7 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: --seq)")
     args = parser.parse_args()
+    warm_up_device()
     kv_seq = args.kv_seq or args.seq
     writer = RowWriter(args.out)
     for d in args.head_dim:

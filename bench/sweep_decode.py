@@ -13,7 +13,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, time_fn
+from bench.harness import RowWriter, classify, time_fn, warm_up_device
 from probjax_eqx import dot_product_attention
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -29,6 +29,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--passes", type=int, default=2, help="times each config runs (noise)")
     args = parser.parse_args()
+    warm_up_device()
     writer = RowWriter(args.out)
     for batch, kv_len, kv_heads in SHAPES:
         keys = jax.random.split(jax.random.key(batch), 3)

@@ -14,7 +14,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, time_fn
+from bench.harness import RowWriter, classify, time_fn, warm_up_device
 from probjax_eqx import grouped_matmul
 from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--impl", choices=("triton", "mosaic"), nargs="+",
                         default=["triton", "mosaic"])  # fmt: skip
     args = parser.parse_args()
+    warm_up_device()
     top_k, d, n, e = args.shape
     rows = args.tokens * top_k
     keys = jax.random.split(jax.random.key(0), 4)

@@ -14,7 +14,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, device_info, time_fn, versions
+from bench.harness import RowWriter, classify, device_info, time_fn, versions, warm_up_device
 from probjax_eqx.kernels.triton import ssm
 
 SCAN = [  # steps, block_d, num_warps
@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--kernel", nargs="+", default=["selective_scan", "chunked_linear"],
                         choices=["selective_scan", "chunked_linear"])  # fmt: skip
     args = parser.parse_args()
+    warm_up_device()
     key = jax.random.key(0)
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run
     scan, scan_args = _scan_case(key, args.batch, args.seq, 2048, 16)
