@@ -124,8 +124,8 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         f"# Benchmarks: {newest.get('device', {}).get('kind', name)}",
         "",
         f"Versions: {json.dumps(newest.get('versions', {}))}. Rendered by `bench/report.py`",
-        "from the committed rows; each cell is the newest run of its case (`run`). Times are",
-        "medians in ms (fwd+bwd, or one train step). **ratio** = that implementation's time",
+        "from the committed rows; each cell is the newest run of its case (column `run`). Times",
+        "are medians in ms (fwd+bwd, or one train step). **ratio** = that implementation's time",
         "over our default's **in the same run**, on the first of fwd+bwd / step / fwd that both",
         "have (above 1: we are faster; `-`: no default row in that run). Status `unsup.` /",
         "`OOM` / `error` rows keep their message.",
@@ -141,7 +141,10 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         lines += [f"## {suite}", ""]
         memory = suite == "moe"
         header = "| case | implementation | status | fwd ms | fwd+bwd / step ms | TFLOP/s | ratio |"
-        lines += [header + (" plan GiB |" if memory else ""), "|---" * (7 + memory) + "|"]
+        lines += [
+            header + (" plan GiB |" if memory else "") + " run |",
+            "|---" * (8 + memory) + "|",
+        ]
         for case in by_suite[suite]:
             impls = cases[case]
             default = _default_for(suite, case[1], set(impls))
@@ -160,6 +163,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
                 if memory:
                     plan = row.get("temp_bytes")
                     cells.append(_fmt(None if plan is None else plan / 2**30, 2))
+                cells.append(str(row.get("run", "-")))  # old runs may predate the code
                 lines.append("| " + " | ".join(cells) + " |")
                 if ratio is not None and impl != default:
                     compact = "x".join(str(v) for v in json.loads(case[2]).values())

@@ -35,6 +35,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     path = render(rows, tmp_path / "out", "h200", logs=logs)
     text = path.read_text()
     assert "| **probjax auto** (default) | ok | 0.500 | 1.500 |" in text
+    assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - | 3 |" in text  # its run
     # Ratios pair rows of one run: run 1's default (2.0), not the newer run's (1.5).
     assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 0.80 |" in text
     assert "jax.nn xla | ok | 2.000 | 6.000 | - | 3.00 |" in text
