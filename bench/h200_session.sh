@@ -31,11 +31,12 @@ case "${1:?stage 1, 2 or 3}" in
       -k "cudnn_head_dim_256 or grouped_matmul or moe or cudnn_matches"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt'
     suite 120 moe16k --suite moe --seq 16384 --only "grouped_matmul triton" \
-      "grouped_matmul mosaic" "grouped_matmul dense balanced" "probjax moe auto" \
-      "probjax moe mosaic" "probjax moe triton"
-    suite 280 moe --suite moe --seq 131072 --only "grouped_matmul triton" \
-      "grouped_matmul mosaic" "grouped_matmul tokamax" "probjax moe auto" "probjax moe mosaic" \
+      "grouped_matmul mosaic" "grouped_matmul xla" "grouped_matmul ragged_dot" \
+      "grouped_matmul dense balanced" "probjax moe auto" "probjax moe mosaic" \
       "probjax moe triton"
+    suite 280 moe --suite moe --seq 131072 --only "grouped_matmul triton" \
+      "grouped_matmul mosaic" "grouped_matmul xla" "grouped_matmul tokamax" \
+      "probjax moe auto" "probjax moe mosaic" "probjax moe triton"
     ;;
   2)
     # head_dim 256 on cuDNN (auto), the MoE at 1M tokens, and the sequence rows that run

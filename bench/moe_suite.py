@@ -1,7 +1,7 @@
 """MoE suite: one `MoE` layer's forward and train step per dispatch mode, and the
 grouped matmul alone against `jax.lax.ragged_dot` and a balanced dense ceiling.
 
-Every mode's output is checked against the `"xla"` dispatch (ragged_dot) on the same
+Every mode's output is checked against the `"xla"` dispatch (exact, in XLA) on the same
 parameters before its time counts; `temp_bytes` is XLA's compiled scratch memory for the
 forward+backward, the memory column of the report. The train step is the forward plus
 gradients with respect to the parameters and the input.
@@ -22,7 +22,8 @@ from probjax_eqx import MoE, grouped_matmul
 LAYERS = [(512, 128, 64, 8, 1024)]
 FULL = dict(tokens=[16_384, 131_072, 1_048_576], layer=LAYERS)
 QUICK = dict(tokens=[64], layer=[(32, 48, 4, 2, 64)])
-GMM_IMPLS = ("xla", "triton", "mosaic", "tokamax", "dense balanced")
+GMM_IMPLS = ("xla", "triton", "mosaic", "tokamax", "ragged_dot", "dense balanced")
+GMM_PEERS = ("tokamax", "ragged_dot", "dense balanced")
 MODES = ("auto", "xla", "triton", "mosaic", "pallas", "fused_gsum")
 BF16_ATOL = 6e-2
 
@@ -111,6 +112,10 @@ def _grouped_matmul(name, rhs):
         )
     if name == "tokamax":
         return tokamax_peer(lambda tk: lambda a, b, sizes: tk.ragged_dot(a, b, sizes))
+    if name == "ragged_dot":  # JAX's own op, float32 accumulation like ours
+        return lambda a, b, sizes: jax.lax.ragged_dot(
+            a, b, sizes, preferred_element_type=jnp.float32
+        ).astype(a.dtype)
     return lambda a, b, sizes: grouped_matmul(a, b, sizes, implementation=name)
 
 
@@ -139,7 +144,7 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
             base_row,
             suite="grouped_matmul",
             implementation=f"grouped_matmul {name}",
-            peer=name in ("xla", "tokamax", "dense balanced"),
+            peer=name in GMM_PEERS,
             shape=dict(
                 rows=rows, k=d, n=n, groups=e, max_group=int(np.max(np.diff(ends, prepend=0)))
             ),
