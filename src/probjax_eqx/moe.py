@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation
+from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
 from probjax_eqx.backends import (
     Backend,
     Choice,
@@ -163,7 +163,7 @@ def _gmm_vmap(axis_size, in_batched, lhs, rhs, group_sizes):
     if rhs_batched:
         rhs = rhs.reshape(-1, *rhs.shape[2:])
     out = _gmm(lhs.reshape(batch * rows, k)[order], rhs, sizes)
-    out = jnp.zeros_like(out).at[order].set(out)
+    out = permute_rows(out, inverse_permutation(order), order)  # back to the examples' order
     return out.reshape(batch, rows, -1), True
 
 
