@@ -65,3 +65,28 @@ def test_vmap_over_moe_on_gpu(getkey, dispatch):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_grouped_matmul_past_65535_row_tiles(getkey, impl):
+    # 4.5M rows are more than 65535 row tiles of 64: CUDA's grid y and z limit (the
+    # Mosaic kernel failed to launch at 8M rows in run 20). Forward and dLHS.
+    sizes = (2_000_003, 1, 2_500_000)
+    lhs = jax.random.normal(getkey(), (sum(sizes), 64)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(getkey(), (3, 64, 128)) / 8).astype(jnp.bfloat16)
+    group_sizes = jnp.array(sizes)
+    f = jax.jit(lambda a: grouped_matmul(a, rhs, group_sizes, implementation=impl))
+    starts = [0, sizes[0], sizes[0] + sizes[1]]
+
+    def ref(a):
+        w = rhs.astype(jnp.float32)
+        parts = [jnp.matmul(a[s : s + m], w[g], precision="highest") for g, (s, m) in
+                 enumerate(zip(starts, sizes))]  # fmt: skip
+        return jnp.concatenate(parts)
+
+    up = lhs.astype(jnp.float32)
+    assert_close(f(lhs), jax.jit(ref)(up), jnp.bfloat16)
+    ct = jnp.ones((sum(sizes), 128), jnp.float32)
+    loss = lambda g: lambda a: jnp.sum(g(a).astype(jnp.float32) * ct)  # noqa: E731
+    got = jax.jit(jax.grad(loss(f)))(lhs)
+    assert_close(got, jax.jit(jax.grad(loss(ref)))(up), jnp.bfloat16, grad=True)

@@ -139,10 +139,21 @@ def _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, shape):
     return pl.run_scoped(accumulate, ACC(shape, jnp.float32))
 
 
+def _tile_of_program(column_tiles):
+    """(row tile, column tile) of this program, column tiles adjacent in launch order.
+
+    One flat grid axis: Mosaic launches a grid's second-to-last axis as CUDA's y, at most
+    65535 blocks, which 8M rows of 64-row tiles overran (run 20); adjacent programs
+    share their rows' tile in L2.
+    """
+    program = lax.axis_index("tile")
+    return lax.div(program, column_tiles), lax.rem(program, column_tiles)
+
+
 def _gmm_kernel(
     group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem, o_smem, bars, *, cfg
 ):
-    t, j = lax.axis_index("m"), lax.axis_index("n")
+    t, j = _tile_of_program(out_ref.shape[1] // cfg.block_n)
     g = group_ref[t]
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
     # Tiles past the groups hold no rows: no K loop (zeros are stored).
@@ -162,7 +173,7 @@ def _gmm_kernel(
 def _gmm_specialized_kernel(group_ref, live_ref, lhs_ref, rhs_ref, out_ref, a_smem, b_smem,
                             o_smem, a_bar, b_bar, free, *, cfg):  # fmt: skip
     """`block_m = 128`: warpgroups 0 and 1 compute 64 rows each; warpgroup 2 feeds them."""
-    t, j = lax.axis_index("m"), lax.axis_index("n")
+    t, j = _tile_of_program(out_ref.shape[1] // cfg.block_n)
     g = group_ref[t]
     bn, bk, stages = cfg.block_n, cfg.block_k, cfg.num_stages
     steps = jnp.where(live_ref[t] > 0, lhs_ref.shape[1] // bk, 0)
@@ -217,8 +228,8 @@ def _gmm(lhs_p, rhs_p, lay: Layout, cfg: MosaicGroupedMatmulConfig, out_dtype):
         functools.partial(kernel, cfg=cfg),
         out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
         scratch_types=_gmm_scratch(cfg, lhs_p.dtype, out_dtype),
-        grid=(rows // cfg.block_m, n // cfg.block_n),
-        grid_names=("m", "n"),
+        grid=((rows // cfg.block_m) * (n // cfg.block_n),),
+        grid_names=("tile",),
         compiler_params=COMPILER_PARAMS,
         num_threads=threads,
         thread_name=thread_name,
