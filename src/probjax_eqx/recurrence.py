@@ -57,12 +57,24 @@ class TritonRecurrence:
 
     def default_config(self, call, device):
         if self.config_type is ChunkedLinearConfig and call.features > 256:
-            # Wide states (RLA's 2 x 128 features + 128 values): 64-step chunks asked the
-            # H200 for 327,680 bytes of shared memory (bench/results/h200.json, run 6).
-            # One program per head held a 256 x 128 float32 state and left most SMs idle
-            # (B4 x 8 heads: 32 programs); 32 value columns a program make 4x the programs.
+            # Wide states (RLA's 2 x 128 features + 128 values): without value blocks
+            # 64-step chunks asked the H200 for 327,680 bytes of shared memory (run 6),
+            # and one program per head left most SMs idle. 16-bit: of the sweep at
+            # T=4096 (bench/results/h200_ssm_sweep.json, run 21) the fastest fwd+bwd,
+            # 0.443 / 1.92 ms vs 0.523 / 5.73 for 32-step chunks of 32 columns with the
+            # single-kernel backward. float32 keeps the latter: the former's forward
+            # asked for 311,296 bytes (run 22).
+            if jnp.dtype(call.dtype).itemsize > 2:
+                return ChunkedLinearConfig(
+                    chunk=32, block_dv=32, num_stages=1, interpret=not device.is_gpu
+                )
             return ChunkedLinearConfig(
-                chunk=32, block_dv=32, num_stages=1, interpret=not device.is_gpu
+                chunk=64,
+                block_dv=64,
+                num_warps=8,
+                num_stages=1,
+                chunk_parallel_backward=True,
+                interpret=not device.is_gpu,
             )
         return self.config_type(interpret=not device.is_gpu)
 
