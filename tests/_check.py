@@ -33,18 +33,24 @@ def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=Fals
     return out, grads
 
 
-def float_row_scatters(jaxpr, width: int) -> list[str]:
-    """Scatters into float arrays of rows at least `width` wide anywhere in `jaxpr` (the
-    router's top-k gradient scatters into `[tokens, experts]`: narrower)."""
-    found = []
+def all_eqns(jaxpr):
+    """Every equation of `jaxpr`, those of its nested jaxprs (jit, custom VJPs...) too."""
     for eqn in jaxpr.eqns:
-        operand = eqn.invars[0].aval if eqn.invars else None
-        if (eqn.primitive.name.startswith("scatter") and jnp.issubdtype(operand.dtype, jnp.floating)
-                and operand.ndim >= 2 and operand.shape[-1] >= width):  # fmt: skip
-            found.append(f"{eqn.primitive.name} {operand}")
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found += float_row_scatters(inner, width)
+                    yield from all_eqns(inner)
+
+
+def float_row_scatters(jaxpr, width: int) -> list[str]:
+    """Scatters into float arrays of rows at least `width` wide anywhere in `jaxpr` (the
+    router's top-k gradient scatters into `[tokens, experts]`: narrower)."""
+    found = []
+    for eqn in all_eqns(jaxpr):
+        operand = eqn.invars[0].aval if eqn.invars else None
+        if (eqn.primitive.name.startswith("scatter") and jnp.issubdtype(operand.dtype, jnp.floating)
+                and operand.ndim >= 2 and operand.shape[-1] >= width):  # fmt: skip
+            found.append(f"{eqn.primitive.name} {operand}")
     return found

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _check import float_row_scatters
+from _check import all_eqns, float_row_scatters
 from _tolerance import assert_close
 from probjax_eqx import MoE, UnsupportedError, grouped_matmul
 from probjax_eqx import moe as moe_module
@@ -319,6 +319,21 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
         assert_close(a, b, jnp.float32, grad=True)
     gx = jax.grad(loss(lambda m, x: m(x)[0]), argnums=1)(moe, x)
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
+
+
+def test_shared_expert_runs_in_compute_dtype(getkey):
+    # float32 parameters, bfloat16 compute: the shared expert's matmuls (forward and
+    # backward) are bfloat16 like the routed experts', only the router's float32.
+    moe = make_moe(getkey(), "xla", top_k=2, shared_d_ff=8, compute_dtype="bfloat16")
+    x = jax.random.normal(getkey(), (19, 16))
+    step = eqx.filter_grad(lambda m, x: jnp.sum(m.shared_expert(x)))
+    dots = [eqn for eqn in all_eqns(jax.make_jaxpr(step)(moe, x).jaxpr)
+            if eqn.primitive.name == "dot_general"]  # fmt: skip
+    assert len(dots) == 7  # three matmuls, their weights' gradients, dh of the down one
+    assert all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
+    y = moe.shared_expert(x)
+    assert y.dtype == jnp.float32
+    assert_close(y, jax.vmap(moe.shared)(x), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("dispatch", ["xla", "triton", "fused_gsum", "mosaic"])

@@ -183,9 +183,7 @@ def expert_parallel_moe_shard(
     run = _exchange_for(exchange, jax.default_backend())
     dtype = jnp.dtype(moe.compute_dtype or x.dtype)
     experts, weights, stats = moe.route_stats(x)
-    y = run(moe, x.astype(dtype), experts, weights, expert_axis)
-    if moe.shared is not None:
-        y = y + jax.vmap(moe.shared)(x).astype(jnp.float32)
+    y = run(moe, x.astype(dtype), experts, weights, expert_axis) + moe.shared_expert(x)
     stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
     return y.astype(x.dtype), stats.aux(moe.top_k)
 

@@ -501,7 +501,8 @@ class MoE(eqx.Module):
             shared_d_ff: hidden width of an always-on shared expert, or `None`.
             router_type: `"softmax"` (probabilities, top-k) or `"sigmoid"` (scores).
             normalize_weights: rescale each token's top-k weights to sum to 1.
-            compute_dtype: dtype of the expert matmuls (e.g. `"bfloat16"`).
+            compute_dtype: dtype of the routed and shared experts' matmuls (e.g.
+                `"bfloat16"`); the router stays float32.
             dispatch: see the module docstring.
             dispatch_config: config of a pinned grouped-matmul kernel.
             dtype: parameter dtype.
@@ -633,11 +634,21 @@ class MoE(eqx.Module):
         squeeze = x.ndim == 1
         xs = x[None] if squeeze else x
         experts, weights, aux = self.route(xs)
-        y = self.experts(xs, experts, weights)
-        if self.shared is not None:
-            y = y + jax.vmap(self.shared)(xs).astype(jnp.float32)
+        y = self.experts(xs, experts, weights) + self.shared_expert(xs)
         y = y.astype(x.dtype)
         return (y[0] if squeeze else y), aux
+
+    def shared_expert(self, x: Float[Array, "tokens d_model"]) -> Float[Array, "tokens d_model"]:
+        """The shared expert's output in float32 (zeros without one).
+
+        Its matmuls run in `compute_dtype` like the routed experts': mixing float32
+        parameters with 16-bit tokens would otherwise promote them to float32.
+        """
+        if self.shared is None:
+            return jnp.zeros(x.shape, jnp.float32)
+        dtype = jnp.dtype(self.compute_dtype or x.dtype)
+        shared = jax.tree.map(lambda w: w.astype(dtype), self.shared)
+        return jax.vmap(shared)(x.astype(dtype)).astype(jnp.float32)
 
     def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
         """The grouped-matmul `Choice` for the expert matmuls of `x` `[tokens, d_model]`."""
