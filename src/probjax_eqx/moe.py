@@ -565,15 +565,20 @@ class MoE(eqx.Module):
             lhs, rhs, group_sizes, implementation=self.dispatch, config=self.dispatch_config
         )
 
-    def experts(self, x, experts, weights):
-        """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
-        dtype = jnp.dtype(self.compute_dtype or x.dtype)
+    def sort_routing(self, experts, weights):
+        """The (token, slot) pairs sorted by expert: `(token_of, slots, group_sizes,
+        sorted_weights)`, `slots[t, k]` the sorted row of token `t`'s `k`-th expert."""
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
-        slots = inverse_permutation(order).reshape(experts.shape)  # each (token, slot)'s row
+        slots = inverse_permutation(order).reshape(experts.shape)
         group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
-        sorted_weights = weights.reshape(-1)[order]
+        return token_of, slots, group_sizes, weights.reshape(-1)[order]
+
+    def experts(self, x, experts, weights):
+        """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
+        dtype = jnp.dtype(self.compute_dtype or x.dtype)
+        token_of, slots, group_sizes, sorted_weights = self.sort_routing(experts, weights)
         choice = self.explain(x)  # validates the call and fills the kernel's config
         x = x.astype(dtype)
         if self.dispatch_mode == "fused_gsum":

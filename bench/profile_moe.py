@@ -1,0 +1,83 @@
+"""Where an MoE layer's time goes: `python -m bench.profile_moe --out F [--tokens N]`.
+
+The suite's layer (`bench.moe_suite.LAYERS[0]`, bfloat16 compute) per dispatch, each part
+jitted alone on the previous parts' outputs: the router, the sort of the (token, slot)
+pairs, the routed experts (gathers, grouped matmuls, combine) forward and fwd+bwd, the
+shared expert, and the whole layer. Run 19: at 131k tokens the layer's forward took
+7.3 ms (fused_gsum) for ~0.8 TFLOP; these rows say which part to work on.
+"""
+
+import argparse
+import functools
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from bench.harness import RowWriter, classify, device_info, time_fn, versions, warm_up_device
+from bench.moe_suite import LAYERS, _layer
+
+DISPATCHES = ("fused_gsum", "triton", "mosaic", "xla")
+
+
+def _parts(moe, x):
+    """`(name, fn, args)` of each part; `fn` jitted, `args` its inputs."""
+    experts, weights, _ = eqx.filter_jit(lambda m, x: m.route(x))(moe, x)
+
+    def routed_loss(m, x):
+        return jnp.sum(m.experts(x, experts, weights).astype(jnp.float32))
+
+    def layer_loss(m, x):
+        return jnp.sum(m(x)[0].astype(jnp.float32))
+
+    def grad(loss):  # with respect to the parameters and the tokens
+        return lambda m, x: eqx.filter_grad(lambda mx: loss(*mx))((m, x))
+
+    return [
+        ("route", eqx.filter_jit(lambda m, x: m.route(x)), (moe, x)),
+        ("sort", eqx.filter_jit(lambda m: m.sort_routing(experts, weights)), (moe,)),
+        ("routed experts fwd", eqx.filter_jit(lambda m, x: m.experts(x, experts, weights)),
+         (moe, x)),
+        ("routed experts fwd+bwd", eqx.filter_jit(grad(routed_loss)), (moe, x)),
+        ("shared expert fwd", eqx.filter_jit(lambda m, x: m.shared_expert(x)), (moe, x)),
+        ("layer fwd", eqx.filter_jit(lambda m, x: m(x)), (moe, x)),
+        ("layer fwd+bwd", eqx.filter_jit(grad(layer_loss)), (moe, x)),
+    ]  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[131_072])
+    parser.add_argument("--dispatch", nargs="+", default=list(DISPATCHES[:3]),
+                        choices=DISPATCHES)  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    warm_up_device()
+    writer, env = RowWriter(args.out), dict(device=device_info(), versions=versions())
+    layer = LAYERS[0]
+    for tokens in args.tokens:
+        key_x, key_p = jax.random.split(jax.random.key(tokens))
+        x = jax.random.normal(key_x, (tokens, layer[0]), jnp.float32).astype(jnp.bfloat16)
+        for dispatch in args.dispatch:
+            base = dict(tokens=tokens, layer=list(layer), dispatch=dispatch, **env)
+            try:
+                parts = _parts(_layer(layer, dispatch, key_p), x)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+                status, message = classify(exc)
+                writer.add(dict(base, part="setup", status=status, message=message))
+                continue
+            for name, fn, fn_args in parts:
+                row = dict(base, part=name, status="ok")
+                try:
+                    call = functools.partial(fn, *fn_args)
+                    row["ms"] = time_fn(call, jax.block_until_ready, repeats=args.repeats)
+                except Exception as exc:  # noqa: BLE001
+                    row["status"], row["message"] = classify(exc)
+                writer.add(row)
+                print(tokens, dispatch, name, row.get("ms", row.get("message")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
