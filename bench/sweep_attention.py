@@ -96,8 +96,8 @@ def _measure(q, k, v, ct, mask, cfg, part, implementation):
     if part == "fwd":
         fwd = jax.jit(f)
         return dict(fwd_ms=time_fn(lambda: fwd(q, k, v), jax.block_until_ready))
-    bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))
-    return dict(fwd_bwd_ms=time_fn(lambda: bwd(q, k, v), jax.block_until_ready))
+    bwd = jax.jit(jax.grad(lambda q, k, v, ct: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))
+    return dict(fwd_bwd_ms=time_fn(lambda: bwd(q, k, v, ct), jax.block_until_ready))
 
 
 def main():

@@ -88,13 +88,13 @@ def main():
             fn = functools.partial(grouped_matmul, implementation=impl, config=cfg)
             fwd = jax.jit(fn)
 
-            def step(a, b, sizes, fn=fn):
+            def step(a, b, sizes, ct, fn=fn):
                 y, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), a, b)
                 return y, pullback(ct)
 
             step = jax.jit(step)
             row["fwd_ms"] = time_fn(functools.partial(fwd, lhs, rhs, sizes), sync)
-            row["fwd_bwd_ms"] = time_fn(functools.partial(step, lhs, rhs, sizes), sync)
+            row["fwd_bwd_ms"] = time_fn(functools.partial(step, lhs, rhs, sizes, ct), sync)
             flops = 2.0 * rows * d * n
             row["tflops_fwd"] = flops / row["fwd_ms"] / 1e9
             row["tflops_fwd_bwd"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
