@@ -34,8 +34,9 @@ case "${1:?stage 1, 2 or 3}" in
     # dispatch at 131k in one run (run 19 cut Mosaic), the shared expert now bfloat16.
     step 200 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
       --tokens 131072 --dispatch fused_gsum triton mosaic
-    suite 330 moe --suite moe --seq 131072 --only "probjax moe mosaic" \
-      "probjax moe auto" "probjax moe triton" "grouped_matmul mosaic"
+    suite 200 moe --suite moe --seq 131072 --only "probjax moe mosaic" "probjax moe auto"
+    # Mamba-2's SSD: does the chunk-parallel backward pay for narrow states too?
+    step 120 sweep_ssm python3 -m bench.sweep_ssm --out "$out/sweep_ssm.json" --kernel ssd
     ;;
   3)
     # 1M tokens (8M rows), whose compile the constant-folded layout had cut in run 20;
