@@ -206,18 +206,3 @@ def test_padded_calls_skip_cudnn_on_sm_90():
     assert "cudnn" not in priority and priority.index("mosaic") > priority.index("triton")
     # Pinned by name, cuDNN still takes the call.
     assert resolve("attention", "cudnn", device=H200, environ={}).select(train).kernel == "cudnn"
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_wide_linear_attention_default_config(dtype):
-    # RLA's 384 features a step on the H200: 16-bit takes the sweep's fastest (64-step
-    # chunks, chunk-parallel backward); float32's forward at that config asked for
-    # 311,296 bytes of shared memory (run 22), so it keeps 32-step chunks.
-    from probjax_eqx.recurrence import RecurrenceCall
-
-    backend = resolve("linear_attention", "triton", device=H200, environ={})
-    config = backend.select(RecurrenceCall(4096, dtype, 384)).config
-    assert config.block_dv is not None and not config.interpret
-    assert (config.chunk, config.chunk_parallel_backward) == (
-        (64, True) if dtype == "bfloat16" else (32, False)
-    )

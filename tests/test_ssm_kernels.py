@@ -167,15 +167,21 @@ def test_recurrence_dispatch():
         Mamba(16, implementation="chunked", key=jax.random.key(0))
 
 
-def test_chunked_linear_defaults_split_wide_states_on_the_gpu():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chunked_linear_defaults_split_wide_states_on_the_gpu(dtype):
     from probjax_eqx.recurrence import RecurrenceCall
 
-    # RLA with 128-dim heads: 2 x 128 features + 128 values a step.
+    # RLA with 128-dim heads: 2 x 128 features + 128 values a step. 16-bit takes the
+    # sweep's fastest (run 21: 64-step chunks of 64 columns, chunk-parallel backward);
+    # float32's forward at that config asked for 311,296 bytes of shared memory (run 22).
     wide = resolve("linear_attention", device=H200).select(
-        RecurrenceCall(4096, "bfloat16", features=384), None
+        RecurrenceCall(4096, dtype, features=384), None
     )
-    assert wide.kernel == "triton"
-    assert (wide.config.chunk, wide.config.block_dv, wide.config.interpret) == (32, 32, False)
+    assert wide.kernel == "triton" and not wide.config.interpret
+    cfg = wide.config
+    assert (cfg.chunk, cfg.block_dv, cfg.chunk_parallel_backward) == (
+        (64, 64, True) if dtype == "bfloat16" else (32, 32, False)
+    )
     # Mamba-2 (64 state x 64 head dims): one program per head, as measured in run 6.
     narrow = resolve("ssd", device=H200).select(RecurrenceCall(4096, "bfloat16", 128), None)
     assert narrow.config.block_dv is None
