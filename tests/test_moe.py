@@ -450,3 +450,29 @@ def test_dispatch_errors_name_the_reason(getkey):
         if jax.devices()[0].platform == "cpu":
             with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
                 moe(jnp.zeros((4, 16)))
+
+
+@pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton", "fused_gsum", "mosaic"])
+def test_moe_on_no_tokens(getkey, dispatch):
+    # An empty batch: an empty output, statistics 0 (not NaN), zero gradients.
+    compute_dtype = "bfloat16" if dispatch == "mosaic" else None  # Mosaic: 16-bit only
+    moe = make_moe(getkey(), dispatch, top_k=2, shared_d_ff=8, compute_dtype=compute_dtype)
+    x = jnp.zeros((0, 16))
+    y, aux = moe(x)
+    assert y.shape == (0, 16)
+    for stat in jax.tree.leaves(aux):
+        assert np.all(np.asarray(stat) == 0)
+    grads = eqx.filter_grad(lambda m, x: jnp.sum(m(x)[0]) + m(x)[1].load_balancing_loss)(moe, x)
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic"])
+def test_grouped_matmul_of_no_rows(impl):
+    config = {"triton": GMM_CFG, "mosaic": MOSAIC_CFG}.get(impl)
+    dtype = jnp.bfloat16 if impl == "mosaic" else jnp.float32
+    lhs, rhs = jnp.zeros((0, 16), dtype), jnp.ones((3, 16, 64), dtype)
+    f = lambda a, b: grouped_matmul(a, b, jnp.zeros(3, jnp.int32), implementation=impl,  # noqa: E731
+                                    config=config)  # fmt: skip
+    assert f(lhs, rhs).shape == (0, 64)
+    d_rhs = jax.grad(lambda b: jnp.sum(f(lhs, b).astype(jnp.float32)))(rhs)
+    assert np.all(np.asarray(d_rhs, np.float32) == 0)

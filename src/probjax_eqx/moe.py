@@ -318,6 +318,8 @@ def grouped_matmul(
         config: the pinned implementation's config (e.g. `TritonGroupedMatmulConfig`).
     """
     choice = _select(lhs, rhs, group_sizes, implementation, config)
+    if lhs.shape[0] == 0:  # no rows: nothing to multiply (the kernels' layouts need one)
+        return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
     impl = _IMPLEMENTATIONS[choice.kernel]
     return impl(lhs, rhs, group_sizes.astype(jnp.int32), config=choice.config)
 
@@ -397,12 +399,13 @@ class RouterStats(eqx.Module):
     z_sum: Float[Array, ""]
 
     def aux(self, top_k: int) -> MoEAux:
-        fraction = self.counts.astype(jnp.float32) / (self.tokens * top_k)
-        mean_prob = self.prob_sum / self.tokens
+        tokens = jnp.maximum(self.tokens, 1.0)  # no tokens: every statistic is 0, not NaN
+        fraction = self.counts.astype(jnp.float32) / (tokens * top_k)
+        mean_prob = self.prob_sum / tokens
         return MoEAux(
             load_balancing_loss=self.counts.shape[0]
             * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob),
-            router_z_loss=self.z_sum / self.tokens,
+            router_z_loss=self.z_sum / tokens,
             tokens_per_expert=self.counts,
             fraction_routed=fraction,
         )
@@ -578,6 +581,9 @@ class MoE(eqx.Module):
     def experts(self, x, experts, weights):
         """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
         dtype = jnp.dtype(self.compute_dtype or x.dtype)
+        if x.shape[0] == 0:  # an empty batch: the kernels' layouts need a row
+            self.explain(x)  # still validates the call
+            return jnp.zeros(x.shape, jnp.float32)
         token_of, slots, group_sizes, sorted_weights = self.sort_routing(experts, weights)
         choice = self.explain(x)  # validates the call and fills the kernel's config
         x = x.astype(dtype)
