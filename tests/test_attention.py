@@ -216,3 +216,27 @@ def test_reruns_are_bitwise_identical(getkey):
     q, k, v = make_qkv(getkey())
     f = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=masks.Causal()))
     np.testing.assert_array_equal(f(q, k, v), f(q, k, v))
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic"])
+@pytest.mark.parametrize("lq, lkv", [(0, 8), (8, 0), (0, 0)])
+def test_empty_sequences(impl, lq, lkv):
+    # No queries: an empty output. No keys: every row has no valid key, so zeros. The
+    # gradients are zeros of the inputs' shapes.
+    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
+    from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+    config = {"triton": TritonAttentionConfig(interpret=True),
+              "mosaic": MosaicAttentionConfig(interpret=True)}.get(impl)  # fmt: skip
+    q = jnp.ones((2, lq, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((2, lkv, 2, 64), jnp.bfloat16)
+
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, implementation=impl, config=config)
+
+    out = f(q, kv, kv)
+    assert out.shape == (2, lq, 4, 64) and out.dtype == jnp.bfloat16
+    assert np.all(np.asarray(out, np.float32) == 0)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))(q, kv, kv)
+    for g, x in zip(grads, (q, kv, kv)):
+        assert g.shape == x.shape and np.all(np.asarray(g, np.float32) == 0)

@@ -158,6 +158,8 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     if not (math.isfinite(scale) and scale > 0):
         # The kernels take the running max of unscaled scores and scale it after.
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if call.q_len == 0 or call.kv_len == 0:  # no queries, or no key for any: zeros
+        return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
     impl = _IMPLEMENTATIONS[choice.kernel]
     return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
 
