@@ -141,3 +141,31 @@ def test_kv_cache_decoding_equals_the_causal_forward(getkey, impl):
         rows.append(y[None])
     assert int(cache.length) == 11
     assert_close(jnp.concatenate(rows), full, jnp.float32)
+
+
+def _sequence_modules():
+    from probjax_eqx import MLA, RLA, Mamba, Mamba2
+    from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
+
+    linear = ChunkedLinearConfig(chunk=16, interpret=True)
+    return {
+        "attention": lambda k: Attention(16, 2, key=k),
+        "mla": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=k),
+        **{f"mamba {i}": (lambda k, i=i: Mamba(16, implementation=i, config=(
+            SelectiveScanConfig(interpret=True) if i == "triton" else None), key=k))
+           for i in ("scan", "associative", "triton")},
+        **{f"mamba2 {i}": (lambda k, i=i: Mamba2(64, implementation=i, config=(
+            linear if i == "triton" else None), key=k)) for i in ("scan", "chunked", "triton")},
+        **{f"rla {i}": (lambda k, i=i: RLA(16, 2, window=4, implementation=i, linear_config=(
+            linear if i == "triton" else None), key=k)) for i in ("scan", "chunked", "triton")},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_sequence_modules()))
+def test_sequence_modules_on_an_empty_sequence(getkey, name):
+    # No steps: an empty output and an empty gradient, as for any other length.
+    module = _sequence_modules()[name](getkey())
+    d = 64 if name.startswith("mamba2") else 16
+    x = jnp.zeros((0, d))
+    assert module(x).shape == (0, d)
+    assert jax.grad(lambda x: jnp.sum(module(x)))(x).shape == (0, d)

@@ -64,6 +64,8 @@ def selective_scan(
 
         h_last, y = jax.lax.scan(step, h0, (decay, drive, c))
     elif implementation == "associative":
+        if x.shape[0] == 0:  # no steps: the state stays (h[-1] below needs one)
+            return jnp.zeros(x.shape, f32), h0
 
         def combine(left, right):
             a1, b1 = left
@@ -400,7 +402,7 @@ class Mamba2(eqx.Module):
         dt = jax.nn.softplus(dt + self.dt_bias)
         a = -jnp.exp(self.a_log.astype(jnp.float32))
         y, h = ssd(
-            u.reshape(seq, -1, self.head_dim), dt, a, b, c, self.d_skip,
+            u.reshape(seq, u.shape[1] // self.head_dim, self.head_dim), dt, a, b, c, self.d_skip,
             chunk=self.chunk, h0=cache.ssm, implementation=self.backend, config=self.config,
         )  # fmt: skip
         y = y.reshape(seq, di) * jax.nn.silu(z.astype(jnp.float32))

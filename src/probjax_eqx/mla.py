@@ -163,7 +163,7 @@ class MLA(eqx.Module):
         v = (latent @ self.w_uv).reshape(seq, self.num_heads, self.v_dim)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         o = self._attend(q, k, v, mask)
-        return o.reshape(seq, -1) @ self.w_o
+        return o.reshape(seq, o.shape[1] * o.shape[2]) @ self.w_o
 
     def _absorbed_attend(self, x, positions, latent, k_rope, mask):
         q_nope, q_rope = self._queries(x, positions)
@@ -174,7 +174,7 @@ class MLA(eqx.Module):
         o_latent = self._attend(q, k, latent[:, None], mask)  # [seq, heads, kv_lora]
         w_uv = self.w_uv.reshape(self.kv_lora_rank, self.num_heads, self.v_dim)
         o = jnp.einsum("shl,lhv->shv", o_latent, w_uv)
-        return o.reshape(x.shape[0], -1) @ self.w_o
+        return o.reshape(x.shape[0], o.shape[1] * o.shape[2]) @ self.w_o
 
     def absorbed(
         self, x: Float[Array, "seq d_model"], *, mask: masks.AbstractMask | None = None

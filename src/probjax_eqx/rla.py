@@ -178,12 +178,15 @@ class RLA(eqx.Module):
         self.backend = resolve("attention", attention_implementation)
 
     def _qkv(self, x):
-        shape = (x.shape[0], self.num_heads, -1)
-        return tuple((x @ w).reshape(shape) for w in (self.w_q, self.w_k, self.w_v))
+        heads = self.num_heads
+        return tuple(
+            (x @ w).reshape(x.shape[0], heads, w.shape[1] // heads)
+            for w in (self.w_q, self.w_k, self.w_v)
+        )
 
     def _combine(self, o_window, o_linear, dtype):
         o = _rms(o_window, self.norm_window) + _rms(o_linear, self.norm_linear)
-        return o.reshape(o.shape[0], -1).astype(dtype) @ self.w_o
+        return o.reshape(o.shape[0], o.shape[1] * o.shape[2]).astype(dtype) @ self.w_o
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         q, k, v = self._qkv(x)

@@ -253,6 +253,8 @@ def selective_scan(x, dt, a, b, c, h0, *, config: SelectiveScanConfig):
     cfg = config
     seq, d = x.shape
     n = a.shape[1]
+    if seq == 0:  # no steps: the state stays (the kernel needs a step)
+        return jnp.zeros((0, d), f32), h0.astype(f32)
     seq_pad, n_pad, d_pad = _round_up(seq, cfg.steps), _next_pow2(n), _round_up(d, cfg.block_d)
     # Padded channels and steps have dt = 0 and padded states B = C = 0: the state stays
     # zero in padded channels and passes padded steps unchanged.
@@ -467,6 +469,8 @@ def chunked_linear_attention(q, k, v, log_decay, h0, *, config: ChunkedLinearCon
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
     group = heads // kv_heads
+    if seq == 0:  # no steps: the state stays (the kernel needs a chunk)
+        return jnp.zeros((0, heads, dv), f32), h0.astype(f32)
     seq_p, dk_p, dv_p = _round_up(seq, chunk), _next_pow2(dk, 16), _next_pow2(dv, 16)
     n_chunks = seq_p // chunk
     block_dv = dv_p if cfg.block_dv is None else min(cfg.block_dv, dv_p)
