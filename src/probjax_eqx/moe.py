@@ -569,8 +569,11 @@ class MoE(eqx.Module):
         )
 
     def sort_routing(self, experts, weights):
-        """The (token, slot) pairs sorted by expert: `(token_of, slots, group_sizes,
-        sorted_weights)`, `slots[t, k]` the sorted row of token `t`'s `k`-th expert."""
+        """The (token, slot) pairs sorted by expert.
+
+        Returns `(token_of, slots, group_sizes, sorted_weights)`, `slots[t, k]` the sorted
+        row of token `t`'s `k`-th expert.
+        """
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
@@ -642,6 +645,12 @@ class MoE(eqx.Module):
         self, x: Float[Array, "*tokens d_model"]
     ) -> tuple[Float[Array, "*tokens d_model"], MoEAux]:
         """Route `x` (one token `[d_model]` or `[tokens, d_model]`) through the experts."""
+        d_model = self.router.shape[0]
+        if x.ndim not in (1, 2) or x.shape[-1] != d_model:
+            raise ValueError(
+                f"expected x of shape [d_model] or [tokens, d_model] with d_model={d_model}, "
+                f"got {x.shape} (batch dims: flatten them, or jax.vmap)"
+            )
         squeeze = x.ndim == 1
         xs = x[None] if squeeze else x
         experts, weights, aux = self.route(xs)
