@@ -206,3 +206,54 @@ def test_padded_calls_skip_cudnn_on_sm_90():
     assert "cudnn" not in priority and priority.index("mosaic") > priority.index("triton")
     # Pinned by name, cuDNN still takes the call.
     assert resolve("attention", "cudnn", device=H200, environ={}).select(train).kernel == "cudnn"
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("", False),
+        ("--xla_gpu_deterministic_ops=true", True),
+        ("--xla_gpu_deterministic_ops", True),
+        ("--xla_force_host_platform_device_count=8 --xla_gpu_exclude_nondeterministic_ops=1", True),
+        ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
+    ],
+)
+def test_determinism_is_read_from_xla_flags(flags, expected):
+    from probjax_eqx.backends import deterministic_requested
+
+    assert deterministic_requested({"XLA_FLAGS": flags}) is expected
+    device = resolve("attention", device=A100, environ={"XLA_FLAGS": flags}).device
+    assert device.deterministic is expected and device.atomics_vary is expected
+
+
+def test_deterministic_ops_refuse_float_atomics():
+    # With XLA's determinism flag: no kernel that adds floats with atomics (their order
+    # varies between runs on a GPU). On the CPU (interpret mode) atomics run in order.
+    from probjax_eqx import moe as moe_module
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.kernels.triton import attention as triton_attention
+
+    env = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
+    strict = resolve("attention", device=A100, environ=env).device
+    assert moe_module.auto_dispatch(A100) == "fused_gsum"
+    assert moe_module.auto_dispatch(strict) == "sorted"
+    with pytest.raises(UnsupportedError, match="fused_gsum.*varies between runs"):
+        moe_module.resolve_dispatch("fused_gsum", device=A100, environ=env)
+    cpu = moe_module.resolve_dispatch("fused_gsum", device=CPU, environ=env)
+    assert cpu.device.deterministic and not cpu.device.atomics_vary
+    # The Triton attention backward: split (dQ without atomics) under "auto"; an explicit
+    # fused request is refused with the reason.
+    square = AttentionCall(1, 2048, 2048, 8, 8, 64, 64, "bfloat16")
+    auto = triton_attention.TritonAttentionConfig()
+    assert triton_attention.resolve_backward(auto, square, A100).backward_pass_impl == (
+        "triton_fused"
+    )
+    assert triton_attention.resolve_backward(auto, square, strict).backward_pass_impl == (
+        "triton_split"
+    )
+    fused = triton_attention.TritonAttentionConfig(backward_pass_impl="triton_fused")
+    pinned = resolve("attention", "triton", device=strict, environ={})
+    with pytest.raises(UnsupportedError, match="triton_fused.*varies between runs"):
+        pinned.select(square, fused)
+    allowed = resolve("attention", "triton", device=A100, environ={}).select(square, fused)
+    assert allowed.config.backward_pass_impl == "triton_fused"

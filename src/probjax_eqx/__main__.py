@@ -5,7 +5,14 @@ import jax.numpy as jnp
 
 from probjax_eqx import masks
 from probjax_eqx.attention import explain_attention
-from probjax_eqx.backends import DEVICE_DEFAULTS, OptOuts, UnsupportedError, detect_device, resolve
+from probjax_eqx.backends import (
+    DETERMINISTIC_FLAGS,
+    DEVICE_DEFAULTS,
+    OptOuts,
+    UnsupportedError,
+    current_device,
+    resolve,
+)
 
 
 def _sample_calls():
@@ -37,7 +44,7 @@ def _sample_calls():
 
 
 def main() -> None:
-    device = detect_device()
+    device = current_device()
     opt_outs = OptOuts.from_env()
     print(
         f"jax {jax.__version__}; device: {device.device_kind} (platform {device.platform}, "
@@ -48,6 +55,11 @@ def main() -> None:
     for op, entries in DEVICE_DEFAULTS.items():
         print(f"  {op}: {' > '.join(entries.get(key, entries['generic']))}")
     print("env opt-outs in force: " + (", ".join(opt_outs.describe()) or "none"))
+    print(
+        "deterministic ops (XLA_FLAGS "
+        + " or ".join(DETERMINISTIC_FLAGS)
+        + f"): {'on: no float atomics' if device.deterministic else 'off'}"
+    )
     backend = resolve("attention")
     for label, (q, k, v), mask in _sample_calls():
         print(f"\n{label}:")

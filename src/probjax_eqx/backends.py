@@ -93,6 +93,22 @@ ENV_OPT_OUTS: Mapping[str, tuple[str, str]] = {
 }
 ENV_DEVICE_DEFAULTS = "PROBJAX_ATTENTION_DEVICE_DEFAULTS"
 _FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
+# XLA's own switches for run-to-run identical results (its scatters, GEMMs and cuDNN
+# attention follow them). When one is on, selection passes over our kernels that add
+# floats with atomics in an order that varies between runs.
+DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops")
+DETERMINISTIC_FLAG = DETERMINISTIC_FLAGS[0]  # the one error messages suggest
+
+
+def deterministic_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `XLA_FLAGS` turns on one of `DETERMINISTIC_FLAGS` (the last mention wins)."""
+    env = os.environ if environ is None else environ
+    settings = {}
+    for flag in env.get("XLA_FLAGS", "").split():
+        name, _, setting = flag.partition("=")
+        if name in DETERMINISTIC_FLAGS:
+            settings[name] = setting.strip().lower() not in _FALSE_STRINGS
+    return any(settings.values())
 
 
 class UnsupportedError(NotImplementedError):
@@ -116,11 +132,19 @@ class DeviceInfo:
         platform: `"cpu"`, `"gpu"` or `"tpu"`.
         device_kind: the driver's name for the device, e.g. `"NVIDIA H200"`.
         compute_capability: `"sm_90"` style for CUDA GPUs, else `None`.
+        deterministic: results must repeat bit for bit (`deterministic_requested`): float
+            atomics, whose order varies between runs on a GPU, are refused.
     """
 
     platform: str
     device_kind: str
     compute_capability: str | None = None
+    deterministic: bool = False
+
+    @property
+    def atomics_vary(self) -> bool:
+        """Float atomics would make results vary between runs, which must not happen."""
+        return self.deterministic and self.is_gpu
 
     @property
     def registry_key(self) -> str:
@@ -142,6 +166,16 @@ class DeviceInfo:
 def sm_number(compute_capability: str | None) -> int:
     """`"sm_90"` -> 90; `None` -> 0."""
     return int(compute_capability[3:]) if compute_capability else 0
+
+
+def current_device(
+    environ: Mapping[str, str] | None = None, device: DeviceInfo | None = None
+) -> DeviceInfo:
+    """`device` (default: JAX's default device), deterministic if `XLA_FLAGS` asks."""
+    device = detect_device() if device is None else device
+    if deterministic_requested(environ):
+        return dataclasses.replace(device, deterministic=True)
+    return device
 
 
 def detect_device(device: Any = None) -> DeviceInfo:
@@ -336,7 +370,7 @@ def resolve(
             f"unknown implementation={implementation!r} for {op}; "
             f"expected None, 'auto' or one of {sorted(implementations(op))}"
         )
-    device = detect_device() if device is None else device
+    device = current_device(environ, device)
     opt_outs = OptOuts.from_env(environ)
     if requested != "auto":
         return Backend(op, requested, (requested,), device, opt_outs)

@@ -32,10 +32,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
 from probjax_eqx.backends import (
+    DETERMINISTIC_FLAG,
     Backend,
     Choice,
     DeviceInfo,
-    detect_device,
+    UnsupportedError,
+    current_device,
     register_op,
     resolve,
 )
@@ -351,8 +353,14 @@ _PALLAS_PRIORITY = {"sm_90": ("mosaic", "triton"), "generic": ("triton",)}
 
 
 def auto_dispatch(device: DeviceInfo | None = None) -> str:
-    """The dispatch mode `"auto"` stands for on `device` (the current one by default)."""
-    device = detect_device() if device is None else device
+    """The dispatch mode `"auto"` stands for on `device` (the current one by default).
+
+    Where results must repeat bit for bit (`DeviceInfo.deterministic`), not
+    `"fused_gsum"`: its atomic adds sum a token's rows in an order that varies.
+    """
+    device = current_device() if device is None else device
+    if device.atomics_vary:
+        return AUTO_DISPATCH["generic"]
     return AUTO_DISPATCH["gpu" if device.is_gpu else "generic"]
 
 
@@ -364,8 +372,16 @@ def resolve_dispatch(
         raise ValueError(
             f"unknown dispatch={dispatch!r}; expected one of {sorted(_DISPATCH_TO_GMM)}"
         )
+    device = current_device(environ, device)
     if dispatch == "auto":
         dispatch = auto_dispatch(device)
+    if dispatch == "fused_gsum" and device.atomics_vary:
+        raise UnsupportedError(
+            "fused_gsum",
+            "its atomic adds sum each token's rows in an order that varies between runs, "
+            f"and XLA_FLAGS asks for deterministic ops ({DETERMINISTIC_FLAG}): use "
+            "dispatch='sorted' (the same products, rows combined by gathers)",
+        )
     requested = _DISPATCH_TO_GMM[dispatch]
     if requested != "pallas":
         return resolve("grouped_matmul", requested, device=device, environ=environ)
@@ -529,7 +545,7 @@ class MoE(eqx.Module):
         self.normalize_weights = normalize_weights
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype).name
         self.dispatch = resolve_dispatch(dispatch)
-        self.dispatch_mode = auto_dispatch() if dispatch == "auto" else dispatch
+        self.dispatch_mode = auto_dispatch(self.dispatch.device) if dispatch == "auto" else dispatch
         self.dispatch_request = dispatch
         self.dispatch_config = dispatch_config
 

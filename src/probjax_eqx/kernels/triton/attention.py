@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
-from probjax_eqx.backends import DeviceInfo, UnsupportedError
+from probjax_eqx.backends import DETERMINISTIC_FLAG, DeviceInfo, UnsupportedError
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.masks import MaskContext
 
@@ -135,7 +135,9 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
     impl = config.backward_pass_impl
     if impl == "auto":
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
-        impl = "triton_split" if rule == "triton_split" else "triton_fused"
+        # The fused backward adds dQ with atomics: not where results must repeat exactly.
+        split = rule == "triton_split" or device.atomics_vary
+        impl = "triton_split" if split else "triton_fused"
     # Score-mod parameter gradients are accumulated in the dQ kernel of the split backward.
     parametric = any(n in _PARAMETRIC for s in (call.score_mod,) for n in _tiles.spec_names(s))
     if impl == "triton_fused" and (parametric or not _balanced(call)):
@@ -792,6 +794,13 @@ class TritonAttention:
         why = _flash.check_pallas(
             "triton", TritonAttentionConfig, config, device, "Pallas Triton needs a GPU"
         )
+        fused = config is not None and config.backward_pass_impl == "triton_fused"
+        if why is None and fused and device.atomics_vary:
+            why = (
+                "backward_pass_impl='triton_fused' adds dQ with atomics in an order that "
+                f"varies between runs, and XLA_FLAGS asks for deterministic ops "
+                f"({DETERMINISTIC_FLAG}): use 'triton_split' or 'auto'"
+            )
         return why if why is not None else self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
