@@ -90,3 +90,35 @@ def test_grouped_matmul_past_65535_row_tiles(getkey, impl):
     loss = lambda g: lambda a, ct: jnp.sum(g(a).astype(jnp.float32) * ct)  # noqa: E731
     got = jax.jit(jax.grad(loss(f)))(lhs, ct)
     assert_close(got, jax.jit(jax.grad(loss(ref)))(up, ct), jnp.bfloat16, grad=True)
+
+
+def test_deterministic_flag_gives_identical_reruns():
+    # Under XLA's determinism flag (read when XLA starts: a fresh process) the MoE's auto
+    # dispatch and the attention backward avoid float atomics: two train steps agree
+    # bit for bit.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+        import probjax_eqx as pjx
+        moe = pjx.MoE(256, 512, num_experts=8, top_k=2, compute_dtype="bfloat16",
+                      key=jax.random.key(0))
+        assert moe.dispatch_mode == "sorted", moe.dispatch_mode
+        x = jax.random.normal(jax.random.key(1), (8192, 256))
+        q = jax.random.normal(jax.random.key(2), (2, 1024, 8, 64), jnp.bfloat16)
+        def loss(m, x, q):
+            att = pjx.dot_product_attention(q, q, q, implementation="triton")
+            return jnp.sum(m(x)[0]) + jnp.sum(att.astype(jnp.float32))
+        step = eqx.filter_jit(eqx.filter_grad(loss))
+        a = jax.tree.leaves(step(moe, x, q))
+        b = jax.tree.leaves(step(moe, x, q))
+        assert all(np.array_equal(u, v) for u, v in zip(a, b))
+        print("identical")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_deterministic_ops=true")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "identical" in done.stdout, done.stderr[-3000:]
