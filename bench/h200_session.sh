@@ -41,11 +41,15 @@ case "${1:?stage 1, 2 or 3}" in
   3)
     # 1M tokens (8M rows), whose compile the constant-folded layout had cut in run 20;
     # RLA at T=4096 on its new default (64-step chunks, chunk-parallel backward).
-    suite 330 moe1m --suite moe --seq 1048576 --only "grouped_matmul mosaic" \
+    suite 300 moe1m --suite moe --seq 1048576 --only "grouped_matmul mosaic" \
       "grouped_matmul triton" "probjax moe auto" "probjax moe mosaic"
-    suite 120 sequence --suite sequence --seq 4096 --only "rla triton" "rla chunked" \
+    suite 110 sequence --suite sequence --seq 4096 --only "rla triton" "rla chunked" \
       "mla auto" "mha auto"
-    suite 90 attention_fp32 --suite attention --seq 4096 --set head_dim=128 dtype=float32 \
+    # What runs around the decode kernel at Lq 1 (0.93-0.99x torch cuDNN, the kernel
+    # itself at the copy rate): the compiled programs' launches.
+    step 60 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8 \
+      auto/1/131072/32 cudnn/8/131072/8
+    suite 80 attention_fp32 --suite attention --seq 4096 --set head_dim=128 dtype=float32 \
       causal=false --only "probjax triton" "probjax xla" "torch sdpa efficient"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;

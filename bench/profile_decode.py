@@ -3,7 +3,10 @@
 `python -m bench.profile_decode CASE [CASE ...]`, a CASE being
 `IMPL/BATCH/KV_LEN/KV_HEADS[/BLOCK_K/WARPS/STAGES/SPLITS]`: IMPL `triton`, `auto` or
 `cudnn` (ours), or `torch-cudnn` / `torch-flash`. bf16, 32 query heads, hd 128, Lq 1.
-The kernels launch in the order of the cases.
+The kernels launch in the order of the cases. With `--hlo` first, the JAX cases print
+the instructions of their compiled program that launch work on the device instead (the
+kernel, and every fusion or copy around it: at Lq 1 a few microseconds each are the gap
+to torch cuDNN's 0.93-0.99x).
 """
 
 import functools
@@ -46,12 +49,36 @@ def run_case(case: str, launches: int = 1):
             num_stages=stages, num_splits=splits, pack_gqa=kv_heads < HEADS,
         )  # fmt: skip
     fwd = jax.jit(functools.partial(dot_product_attention, implementation=impl, config=config))
+    if launches == 0:
+        for line in device_work(fwd.lower(q, k, v).compile().as_text()):
+            print("  " + line)
+        return
     for _ in range(launches):
         out = fwd(q, k, v)
     jax.block_until_ready(out)
 
 
+_NO_WORK = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
+
+
+def device_work(hlo_text: str) -> list[str]:
+    """`opcode name: shape` of each instruction of the entry computation that runs work."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :].split("\n")[2:]  # past its header
+    found = []
+    for line in entry:
+        if line.strip() == "}":
+            break
+        name, _, rhs = line.strip().removeprefix("ROOT ").partition(" = ")
+        shape, _, rest = rhs.partition(" ")
+        opcode = rest.split("(")[0]
+        if opcode not in _NO_WORK:
+            target = rest.partition('custom_call_target="')[2].partition('"')[0]
+            found.append(f"{opcode} {target or name}: {shape}")
+    return found
+
+
 if __name__ == "__main__":
-    for case in sys.argv[1:]:
+    hlo = sys.argv[1:2] == ["--hlo"]
+    for case in sys.argv[1 + hlo :]:
         print("case", case, flush=True)
-        run_case(case)
+        run_case(case, launches=0 if hlo else 1)
