@@ -37,6 +37,8 @@ case "${1:?stage 1, 2 or 3}" in
     suite 200 moe --suite moe --seq 131072 --only "probjax moe mosaic" "probjax moe auto"
     # Mamba-2's SSD: does the chunk-parallel backward pay for narrow states too?
     step 120 sweep_ssm python3 -m bench.sweep_ssm --out "$out/sweep_ssm.json" --kernel ssd
+    # Our default's cuDNN route at 1.03x torch cuDNN's time: what it runs beside the kernel.
+    step 40 attention_work python3 -m bench.attention_work auto jax.nn-cudnn
     ;;
   3)
     # 1M tokens (8M rows), whose compile the constant-folded layout had cut in run 20;

@@ -282,3 +282,22 @@ def tokamax_peer(fn_of_module):
         return fn_of_module(module)(*args)
 
     return peer
+
+
+_NO_WORK = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
+
+
+def device_work(hlo_text: str) -> list[str]:
+    """`opcode name: shape` of each instruction of the entry computation that runs work."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :].split("\n")[2:]  # past its header
+    found = []
+    for line in entry:
+        if line.strip() == "}":
+            break
+        name, _, rhs = line.strip().removeprefix("ROOT ").partition(" = ")
+        shape, _, rest = rhs.partition(" ")
+        opcode = rest.split("(")[0]
+        if opcode not in _NO_WORK:
+            target = rest.partition('custom_call_target="')[2].partition('"')[0]
+            found.append(f"{opcode} {target or name}: {shape}")
+    return found

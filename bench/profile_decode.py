@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from bench.harness import device_work
 from probjax_eqx import dot_product_attention
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -56,25 +57,6 @@ def run_case(case: str, launches: int = 1):
     for _ in range(launches):
         out = fwd(q, k, v)
     jax.block_until_ready(out)
-
-
-_NO_WORK = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
-
-
-def device_work(hlo_text: str) -> list[str]:
-    """`opcode name: shape` of each instruction of the entry computation that runs work."""
-    entry = hlo_text[hlo_text.index("\nENTRY") :].split("\n")[2:]  # past its header
-    found = []
-    for line in entry:
-        if line.strip() == "}":
-            break
-        name, _, rhs = line.strip().removeprefix("ROOT ").partition(" = ")
-        shape, _, rest = rhs.partition(" ")
-        opcode = rest.split("(")[0]
-        if opcode not in _NO_WORK:
-            target = rest.partition('custom_call_target="')[2].partition('"')[0]
-            found.append(f"{opcode} {target or name}: {shape}")
-    return found
 
 
 if __name__ == "__main__":
