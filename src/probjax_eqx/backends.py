@@ -100,6 +100,14 @@ DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondete
 DETERMINISTIC_FLAG = DETERMINISTIC_FLAGS[0]  # the one error messages suggest
 
 
+def atomics_refusal(what: str, instead: str) -> str:
+    """Why `what`, which adds floats with atomics, cannot run where results must repeat."""
+    return (
+        f"{what} adds floats with atomics in an order that varies between runs, and "
+        f"XLA_FLAGS asks for deterministic ops ({DETERMINISTIC_FLAG}): use {instead}"
+    )
+
+
 def deterministic_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether `XLA_FLAGS` turns on one of `DETERMINISTIC_FLAGS` (the last mention wins)."""
     env = os.environ if environ is None else environ

@@ -32,11 +32,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
 from probjax_eqx.backends import (
-    DETERMINISTIC_FLAG,
     Backend,
     Choice,
     DeviceInfo,
     UnsupportedError,
+    atomics_refusal,
     current_device,
     register_op,
     resolve,
@@ -378,9 +378,10 @@ def resolve_dispatch(
     if dispatch == "fused_gsum" and device.atomics_vary:
         raise UnsupportedError(
             "fused_gsum",
-            "its atomic adds sum each token's rows in an order that varies between runs, "
-            f"and XLA_FLAGS asks for deterministic ops ({DETERMINISTIC_FLAG}): use "
-            "dispatch='sorted' (the same products, rows combined by gathers)",
+            atomics_refusal(
+                "its sum of each token's rows",
+                "dispatch='sorted' (the same products, rows combined by gathers)",
+            ),
         )
     requested = _DISPATCH_TO_GMM[dispatch]
     if requested != "pallas":

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
-from probjax_eqx.backends import DETERMINISTIC_FLAG, DeviceInfo, UnsupportedError
+from probjax_eqx.backends import DeviceInfo, UnsupportedError, atomics_refusal
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.masks import MaskContext
 
@@ -796,10 +796,8 @@ class TritonAttention:
         )
         fused = config is not None and config.backward_pass_impl == "triton_fused"
         if why is None and fused and device.atomics_vary:
-            why = (
-                "backward_pass_impl='triton_fused' adds dQ with atomics in an order that "
-                f"varies between runs, and XLA_FLAGS asks for deterministic ops "
-                f"({DETERMINISTIC_FLAG}): use 'triton_split' or 'auto'"
+            why = atomics_refusal(
+                "backward_pass_impl='triton_fused' (its dQ)", "'triton_split' or 'auto'"
             )
         return why if why is not None else self.capabilities.check(call, device)
 
