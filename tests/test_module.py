@@ -169,3 +169,25 @@ def test_sequence_modules_on_an_empty_sequence(getkey, name):
     x = jnp.zeros((0, d))
     assert module(x).shape == (0, d)
     assert jax.grad(lambda x: jnp.sum(module(x)))(x).shape == (0, d)
+
+
+@pytest.mark.parametrize("module", ["attention", "mla"])
+def test_kv_cache_capacity(getkey, module):
+    # A prompt longer than the cache is refused; decoding past it gives NaN, never a
+    # silent overwrite of the last slot.
+    from probjax_eqx import MLA
+
+    if module == "attention":
+        layer = Attention(16, 2, key=getkey())
+    else:
+        layer = MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=getkey())
+    x = jax.random.normal(getkey(), (5, 16))
+    with pytest.raises(ValueError, match="a prompt of 5 tokens does not fit a cache of 4"):
+        layer.prefill(x, layer.init_cache(4))
+    y, cache = layer.prefill(x[:3], layer.init_cache(4))
+    assert np.all(np.isfinite(y))
+    step = eqx.filter_jit(layer.decode_step)
+    y, cache = step(x[3], cache)  # the fourth token fills the cache
+    assert np.all(np.isfinite(y)) and int(cache.length) == 4
+    y, cache = step(x[4], cache)
+    assert np.all(np.isnan(y)) and int(cache.length) == 5

@@ -306,12 +306,30 @@ def rope(
     return out.astype(x.dtype)
 
 
+def check_prompt_fits(prompt_len: int, max_len: int) -> None:
+    """A prompt longer than a cache is refused when traced (its length is static)."""
+    if prompt_len > max_len:
+        raise ValueError(
+            f"a prompt of {prompt_len} tokens does not fit a cache of {max_len} positions: "
+            "pass a larger max_len to init_cache"
+        )
+
+
+def nan_past_capacity(out: Array, length: Array, max_len: int) -> Array:
+    """`out`, or NaN once a cache's `length` passed its `max_len` positions.
+
+    A full cache cannot take a token (the write would land on its last slot): the outputs
+    say so. A runtime error (`eqx.error_if`) would sync the GPU with the host every step.
+    """
+    return jnp.where(length > max_len, jnp.asarray(jnp.nan, out.dtype), out)
+
+
 class KVCache(eqx.Module):
     """Keys and values of the positions decoded so far: preallocated buffers and a length.
 
     A pytree the caller carries (`Attention.init_cache`, `prefill`, `decode_step`); the
     module keeps no state. Positions past `length` hold stale or zero entries that the
-    `KVLengths` mask hides.
+    `KVLengths` mask hides. Decoding past `max_len` positions gives NaN outputs.
     """
 
     keys: Float[Array, "max_len kv_heads qk_dim"]
@@ -474,6 +492,7 @@ class Attention(eqx.Module):
         Writes the prompt's keys and values at positions `[0, seq)` and sets the cache's
         length to `seq` (earlier contents are discarded). Equals `self(x, mask=Causal())`.
         """
+        check_prompt_fits(x.shape[0], cache.keys.shape[0])
         q, k, v = self._qkv(x, None)
         o = _run(q, k, v, Causal(), None, self._scale, self.backend, self.config)
         put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
@@ -489,7 +508,8 @@ class Attention(eqx.Module):
 
         Its key and value enter the cache first. Token by token, this equals the
         matching rows of the causal forward. The attention call has one query over the
-        cache buffer with `KVLengths`: on a GPU it runs the split-KV kernel.
+        cache buffer with `KVLengths`: on a GPU it runs the split-KV kernel. With the
+        cache full (`max_len` tokens before this one) the output is NaN.
         """
         position = cache.length
         q, k, v = self._qkv(x[None], None, positions=position[None])
@@ -500,7 +520,8 @@ class Attention(eqx.Module):
         mask = KVLengths((position + 1)[None])
         o = _run(q, keys[None].astype(q.dtype), values[None].astype(q.dtype), mask, None,
                  self._scale, self.backend, self.config)  # fmt: skip
-        return self._output(o, x[None])[0], KVCache(keys, values, position + 1)
+        out = nan_past_capacity(self._output(o, x[None])[0], position + 1, keys.shape[0])
+        return out, KVCache(keys, values, position + 1)
 
     @property
     def _scale(self) -> float:

@@ -23,12 +23,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx import masks
-from probjax_eqx.attention import flex_attention, rope
+from probjax_eqx.attention import check_prompt_fits, flex_attention, nan_past_capacity, rope
 from probjax_eqx.backends import Backend, resolve
 
 
 class LatentCache(eqx.Module):
-    """A preallocated latent KV cache: `latent [max_len, kv_lora]`, `k_rope [max_len, rope]`."""
+    """A preallocated latent KV cache: `latent [max_len, kv_lora]`, `k_rope [max_len, rope]`.
+
+    Decoding past `max_len` tokens gives NaN outputs.
+    """
 
     latent: Float[Array, "max_len kv_lora"]
     k_rope: Float[Array, "max_len rope"]
@@ -210,15 +213,21 @@ class MLA(eqx.Module):
         self, x: Float[Array, "seq d_model"], cache: LatentCache
     ) -> tuple[Float[Array, "seq d_model"], LatentCache]:
         """Fill an empty cache with a prompt; returns the causal outputs and the cache."""
+        max_len = cache.latent.shape[0]
+        check_prompt_fits(x.shape[0], max_len)
         positions, cache = self._append(x, cache)
         mask = masks.Causal() & masks.KVLengths(cache.length)
-        return self._absorbed_attend(x, positions, cache.latent, cache.k_rope, mask), cache
+        out = self._absorbed_attend(x, positions, cache.latent, cache.k_rope, mask)
+        return nan_past_capacity(out, cache.length, max_len), cache
 
     def decode_step(
         self, x: Float[Array, " d_model"], cache: LatentCache
     ) -> tuple[Float[Array, " d_model"], LatentCache]:
-        """One new token: append its latent, attend to every cached token (itself too)."""
+        """One new token: append its latent, attend to every cached token (itself too).
+
+        With the cache full (`max_len` tokens before this one) the output is NaN.
+        """
         positions, cache = self._append(x[None], cache)
         mask = masks.KVLengths(cache.length)
         out = self._absorbed_attend(x[None], positions, cache.latent, cache.k_rope, mask)
-        return out[0], cache
+        return nan_past_capacity(out[0], cache.length, cache.latent.shape[0]), cache
