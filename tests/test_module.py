@@ -191,3 +191,39 @@ def test_kv_cache_capacity(getkey, module):
     assert np.all(np.isfinite(y)) and int(cache.length) == 4
     y, cache = step(x[4], cache)
     assert np.all(np.isnan(y)) and int(cache.length) == 5
+
+
+def _train_step_modules():
+    from probjax_eqx import MLA, RLA, Mamba, Mamba2, MoE
+    from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
+    from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
+
+    gmm = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
+    linear = ChunkedLinearConfig(chunk=16, interpret=True)
+    return {
+        "moe xla": lambda k: MoE(16, 24, num_experts=4, dispatch="xla", key=k),
+        "moe fused_gsum": lambda k: MoE(16, 24, num_experts=4, dispatch="fused_gsum",
+                                        dispatch_config=gmm, key=k),
+        "mla": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=k),
+        "mamba triton": lambda k: Mamba(16, implementation="triton",
+                                        config=SelectiveScanConfig(interpret=True), key=k),
+        "mamba2 triton": lambda k: Mamba2(64, implementation="triton", config=linear, key=k),
+        "rla triton": lambda k: RLA(16, 2, window=4, implementation="triton",
+                                    linear_config=linear, key=k),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_train_step_modules()))
+def test_train_step_reruns_are_bitwise_identical(getkey, name):
+    module = _train_step_modules()[name](getkey())
+    d = 64 if name.startswith("mamba2") else 16
+    x = jax.random.normal(getkey(), (20, d))
+
+    def loss(m, x):
+        y = m(x)
+        return jnp.sum((y[0] if isinstance(y, tuple) else y) ** 2)
+
+    step = eqx.filter_jit(eqx.filter_grad(loss))
+    first, second = (jax.tree.leaves(step(module, x)) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
