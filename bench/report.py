@@ -100,6 +100,15 @@ def _ratio(row: dict, base: dict | None) -> float | None:
     return None
 
 
+def _staleness(peer: dict, default: dict | None) -> str:
+    """The run of a gap, and whether our default was measured again after it (the
+    default may have changed since: head_dim 256 moved from Triton to cuDNN in run 20)."""
+    run, newest = peer.get("run", 0), (default or {}).get("run", 0)
+    if newest > run:
+        return f" (run {run}; our default's newest row, run {newest}, has no peer beside it)"
+    return f" (run {run})"
+
+
 def _fmt(value, digits=3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -169,7 +178,8 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
                     compact = "x".join(str(v) for v in json.loads(case[2]).values())
                     plots[suite].append((f"{compact} {case[4]} | {impl}", ratio))
                     if row.get("peer") and ratio < 1.0:
-                        gaps.append(f"- {suite}, {label}: {impl} takes {ratio:.2f}x our time")
+                        gaps.append(f"- {suite}, {label}: {impl} takes {ratio:.2f}x our time"
+                                    + _staleness(row, impls.get(default)))  # fmt: skip
         lines.append("")
     lines += ["## Known gaps", "", *(gaps or ["- none: our default is fastest in every case"]), ""]
     for suite, bars in plots.items():
