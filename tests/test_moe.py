@@ -480,3 +480,23 @@ def test_grouped_matmul_of_no_rows(impl):
     assert f(lhs, rhs).shape == (0, 64)
     d_rhs = jax.grad(lambda b: jnp.sum(f(lhs, b).astype(jnp.float32)))(rhs)
     assert np.all(np.asarray(d_rhs, np.float32) == 0)
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (1, 1), (0, 4)])
+def test_group_sizes_that_miss_the_row_count(sizes):
+    # Groups past the last row end there; rows past the groups are zeros: every
+    # implementation the same as the row-by-row definition.
+    lhs = jnp.arange(4 * 16, dtype=jnp.float32).reshape(4, 16) / 10
+    rhs = jnp.stack([jnp.eye(16, 16), 2 * jnp.eye(16, 16)])
+    group = np.repeat(np.arange(2), sizes)[:4]
+    want = np.zeros((4, 16), np.float32)
+    want[: len(group)] = np.asarray(lhs)[: len(group)] * (group[:, None] + 1)
+    for impl, config in [("xla", None), ("triton", GMM_CFG)]:
+        got = grouped_matmul(lhs, rhs, jnp.array(sizes), implementation=impl, config=config)
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=impl)
+    # Mosaic: 16-bit operands; doubling a bfloat16 value is exact.
+    bf16 = [x.astype(jnp.bfloat16) for x in (lhs, rhs)]
+    got = grouped_matmul(*bf16, jnp.array(sizes), implementation="mosaic", config=MOSAIC_CFG)
+    want_bf16 = np.zeros_like(want)  # the same rows, from the rounded inputs
+    want_bf16[: len(group)] = np.asarray(bf16[0], np.float32)[: len(group)] * (group[:, None] + 1)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want_bf16)

@@ -310,7 +310,8 @@ def grouped_matmul(
 ) -> Float[Array, "rows n"]:
     """`out[r] = lhs[r] @ rhs[g(r)]` for rows sorted by group, `group_sizes[g]` rows each.
 
-    Rows past `sum(group_sizes)` give zeros. Differentiable in `lhs` and `rhs`.
+    Rows past `sum(group_sizes)` give zeros; groups that run past the last row end there.
+    Differentiable in `lhs` and `rhs`.
 
     Args:
         lhs: `[rows, k]`, sorted by group.
