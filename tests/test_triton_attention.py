@@ -20,6 +20,7 @@ from probjax_eqx import (
 )
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.backends import resolve as resolve_backend
 from probjax_eqx.kernels import _tiles
 from probjax_eqx.kernels.reference import attention as reference
 from probjax_eqx.kernels.triton import attention as triton_attention
@@ -224,9 +225,13 @@ def test_backward_rule():
     assert resolve(CFG, square, h200).backward_pass_impl == "triton_split"
     assert resolve(CFG, square, a100).backward_pass_impl == "triton_fused"
     assert resolve(CFG, skewed, a100).backward_pass_impl == "triton_split"
-    # An explicit fused request on 256 x 16384 keeps its tiles and runs split.
-    resolved = resolve(FUSED, skewed, h200)
-    assert resolved.backward_pass_impl == "triton_split" and resolved.block_q_dkv == 16
+    # An explicit fused request stays as asked; one the fused kernel cannot run (256 x
+    # 16384 would shrink its tiles below 16 rows) is refused with the reason.
+    assert resolve(FUSED, square, h200).backward_pass_impl == "triton_fused"
+    pinned = resolve_backend("attention", "triton", device=a100, environ={})
+    with pytest.raises(UnsupportedError, match="256 queries x 16384 keys .*below 16 rows"):
+        pinned.select(skewed, FUSED)
+    assert pinned.select(square, FUSED).config.backward_pass_impl == "triton_fused"
     assert triton_attention.default_config(square, h200).backward_pass_impl == "triton_split"
     with pytest.raises(TypeError, match="takes a TritonAttentionConfig"):
         dot_product_attention(
@@ -245,17 +250,17 @@ def test_score_mod_parameter_gradients(getkey):
         mod = biases.Compose((biases.ALiBi(slopes), biases.HeadScale(scales), biases.SoftCap(3.0)))
         return jnp.sum(attend(q, k, v, mask, mod) * ct)
 
-    fused = lambda q, k, v, m, s: run_triton(q, k, v, m, s, FUSED)
-    grads = jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(slopes, scales, q)
+    triton = lambda q, k, v, m, s: run_triton(q, k, v, m, s, CFG)
+    grads = jax.grad(lambda *a: loss(triton, *a), argnums=(0, 1, 2))(slopes, scales, q)
     oracle_fn = lambda q, k, v, m, s: oracle(q, k, v, m, s)
     expected = jax.grad(lambda *a: loss(oracle_fn, *a), argnums=(0, 1, 2))(slopes, scales, q)
     for a, b in zip(grads, expected):
         assert_close(a, b, jnp.float32, grad=True)
-    # Parameter gradients live in the dQ kernel, so a fused request runs split.
-    choice = explain_attention(
-        q, k, v, mask=mask, score_mod=biases.ALiBi(slopes), implementation="triton", config=FUSED
-    )
-    assert choice.config.backward_pass_impl == "triton_split"
+    # Parameter gradients live in the split backward's dQ kernel: a fused request is
+    # refused with that reason.
+    with pytest.raises(UnsupportedError, match="no score-mod parameter gradients"):
+        explain_attention(q, k, v, mask=mask, score_mod=biases.ALiBi(slopes),
+                          implementation="triton", config=FUSED)  # fmt: skip
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])

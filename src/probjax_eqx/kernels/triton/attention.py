@@ -57,8 +57,10 @@ class TritonAttentionConfig:
         num_stages_bwd: software pipelining depth of the backward.
         backward_pass_impl: `"triton_split"` (a dK/dV kernel and a dQ kernel),
             `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds) or
-            `"auto"` (`BACKWARD_RULES`). A fused request on lengths more than 4x apart
-            runs split, so that no tile shrinks below 16 rows.
+            `"auto"` (`BACKWARD_RULES`). Where the fused one cannot run (score-mod
+            parameter gradients, lengths more than 4x apart, which would shrink its
+            tiles below 16 rows, or deterministic ops) `"auto"` runs split and an
+            explicit fused request is refused with the reason.
         num_splits: split the keys of each query tile over this many forward programs
             (flash-decoding); their partial outputs merge exactly by log-sum-exp. For
             few queries over long KV, where query tiles alone leave the GPU idle.
@@ -130,18 +132,31 @@ def _balanced(call: AttentionCall) -> bool:
     return short >= _MIN_BLOCK and long <= 4 * short
 
 
+def _fused_refusal(call: AttentionCall, device: DeviceInfo) -> str | None:
+    """Why the fused backward cannot take `call` (`None` when it can)."""
+    if device.atomics_vary:
+        return atomics_refusal("backward_pass_impl='triton_fused' (its dQ)", "'triton_split'")
+    if any(n in _PARAMETRIC for n in _tiles.spec_names(call.score_mod)):
+        return (
+            "backward_pass_impl='triton_fused' has no score-mod parameter gradients (the "
+            "split backward's dQ kernel accumulates them): use 'triton_split' or 'auto'"
+        )
+    if not _balanced(call):
+        return (
+            f"backward_pass_impl='triton_fused' on {call.q_len} queries x {call.kv_len} keys "
+            f"(not within 4x of each other, both >= {_MIN_BLOCK}) would shrink its tiles "
+            f"below {_MIN_BLOCK} rows: use 'triton_split' or 'auto'"
+        )
+    return None
+
+
 def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device: DeviceInfo):
-    """Replace `"auto"` (and an unbalanced fused request) by the backward that will run."""
+    """Replace `"auto"` by the backward that will run (an explicit one stays as asked)."""
     impl = config.backward_pass_impl
     if impl == "auto":
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
-        # The fused backward adds dQ with atomics: not where results must repeat exactly.
-        split = rule == "triton_split" or device.atomics_vary
-        impl = "triton_split" if split else "triton_fused"
-    # Score-mod parameter gradients are accumulated in the dQ kernel of the split backward.
-    parametric = any(n in _PARAMETRIC for s in (call.score_mod,) for n in _tiles.spec_names(s))
-    if impl == "triton_fused" and (parametric or not _balanced(call)):
-        impl = "triton_split"
+        fused = rule != "triton_split" and _fused_refusal(call, device) is None
+        impl = "triton_fused" if fused else "triton_split"
     return dataclasses.replace(config, backward_pass_impl=impl)
 
 
@@ -794,11 +809,8 @@ class TritonAttention:
         why = _flash.check_pallas(
             "triton", TritonAttentionConfig, config, device, "Pallas Triton needs a GPU"
         )
-        fused = config is not None and config.backward_pass_impl == "triton_fused"
-        if why is None and fused and device.atomics_vary:
-            why = atomics_refusal(
-                "backward_pass_impl='triton_fused' (its dQ)", "'triton_split' or 'auto'"
-            )
+        if why is None and config is not None and config.backward_pass_impl == "triton_fused":
+            why = _fused_refusal(call, device)
         return why if why is not None else self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
