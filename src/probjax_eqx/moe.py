@@ -602,11 +602,10 @@ class MoE(eqx.Module):
     def experts(self, x, experts, weights):
         """Sorted dropless dispatch: `sum_k weights[:, k] * expert_k(x)`."""
         dtype = jnp.dtype(self.compute_dtype or x.dtype)
+        choice = self.explain(x)  # validates the call and fills the kernel's config
         if x.shape[0] == 0:  # an empty batch: the kernels' layouts need a row
-            self.explain(x)  # still validates the call
             return jnp.zeros(x.shape, jnp.float32)
         token_of, slots, group_sizes, sorted_weights = self.sort_routing(experts, weights)
-        choice = self.explain(x)  # validates the call and fills the kernel's config
         x = x.astype(dtype)
         if self.dispatch_mode == "fused_gsum":
             return self._fused_gsum(x, token_of, sorted_weights, group_sizes, choice)
