@@ -143,14 +143,20 @@ def test_kv_cache_decoding_equals_the_causal_forward(getkey, impl):
     assert_close(jnp.concatenate(rows), full, jnp.float32)
 
 
-def _sequence_modules():
-    from probjax_eqx import MLA, RLA, Mamba, Mamba2
+def _modules():
+    """Each module of the package, built small, by `name -> (key -> module)`."""
+    from probjax_eqx import MLA, RLA, Mamba, Mamba2, MoE
+    from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
     from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
 
+    gmm = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
     linear = ChunkedLinearConfig(chunk=16, interpret=True)
     return {
         "attention": lambda k: Attention(16, 2, key=k),
         "mla": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=k),
+        "moe xla": lambda k: MoE(16, 24, num_experts=4, dispatch="xla", key=k),
+        "moe fused_gsum": lambda k: MoE(16, 24, num_experts=4, dispatch="fused_gsum",
+                                        dispatch_config=gmm, key=k),
         **{f"mamba {i}": (lambda k, i=i: Mamba(16, implementation=i, config=(
             SelectiveScanConfig(interpret=True) if i == "triton" else None), key=k))
            for i in ("scan", "associative", "triton")},
@@ -161,26 +167,29 @@ def _sequence_modules():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(_sequence_modules()))
+def _apply(name, module, x):
+    """The module's output on `x` `[seq, width]` (the MoE's, without its statistics)."""
+    return module(x)[0] if name.startswith("moe") else module(x)
+
+
+def _width(name):
+    return 64 if name.startswith("mamba2") else 16
+
+
+@pytest.mark.parametrize("name", list(_modules()))
 def test_sequence_modules_on_an_empty_sequence(getkey, name):
     # No steps: an empty output and an empty gradient, as for any other length.
-    module = _sequence_modules()[name](getkey())
-    d = 64 if name.startswith("mamba2") else 16
+    module, d = _modules()[name](getkey()), _width(name)
     x = jnp.zeros((0, d))
-    assert module(x).shape == (0, d)
-    assert jax.grad(lambda x: jnp.sum(module(x)))(x).shape == (0, d)
+    assert _apply(name, module, x).shape == (0, d)
+    assert jax.grad(lambda x: jnp.sum(_apply(name, module, x)))(x).shape == (0, d)
 
 
 @pytest.mark.parametrize("module", ["attention", "mla"])
 def test_kv_cache_capacity(getkey, module):
     # A prompt longer than the cache is refused; decoding past it gives NaN, never a
     # silent overwrite of the last slot.
-    from probjax_eqx import MLA
-
-    if module == "attention":
-        layer = Attention(16, 2, key=getkey())
-    else:
-        layer = MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=getkey())
+    layer = _modules()[module](getkey())
     x = jax.random.normal(getkey(), (5, 16))
     with pytest.raises(ValueError, match="a prompt of 5 tokens does not fit a cache of 4"):
         layer.prefill(x, layer.init_cache(4))
@@ -193,37 +202,11 @@ def test_kv_cache_capacity(getkey, module):
     assert np.all(np.isnan(y)) and int(cache.length) == 5
 
 
-def _train_step_modules():
-    from probjax_eqx import MLA, RLA, Mamba, Mamba2, MoE
-    from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
-    from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig, SelectiveScanConfig
-
-    gmm = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
-    linear = ChunkedLinearConfig(chunk=16, interpret=True)
-    return {
-        "moe xla": lambda k: MoE(16, 24, num_experts=4, dispatch="xla", key=k),
-        "moe fused_gsum": lambda k: MoE(16, 24, num_experts=4, dispatch="fused_gsum",
-                                        dispatch_config=gmm, key=k),
-        "mla": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=8, v_dim=8, key=k),
-        "mamba triton": lambda k: Mamba(16, implementation="triton",
-                                        config=SelectiveScanConfig(interpret=True), key=k),
-        "mamba2 triton": lambda k: Mamba2(64, implementation="triton", config=linear, key=k),
-        "rla triton": lambda k: RLA(16, 2, window=4, implementation="triton",
-                                    linear_config=linear, key=k),
-    }  # fmt: skip
-
-
-@pytest.mark.parametrize("name", list(_train_step_modules()))
+@pytest.mark.parametrize("name", list(_modules()))
 def test_train_step_reruns_are_bitwise_identical(getkey, name):
-    module = _train_step_modules()[name](getkey())
-    d = 64 if name.startswith("mamba2") else 16
-    x = jax.random.normal(getkey(), (20, d))
-
-    def loss(m, x):
-        y = m(x)
-        return jnp.sum((y[0] if isinstance(y, tuple) else y) ** 2)
-
-    step = eqx.filter_jit(eqx.filter_grad(loss))
+    module = _modules()[name](getkey())
+    x = jax.random.normal(getkey(), (20, _width(name)))
+    step = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(_apply(name, m, x) ** 2)))
     first, second = (jax.tree.leaves(step(module, x)) for _ in range(2))
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
