@@ -68,13 +68,13 @@ def test_linear_branch_kernel(getkey, dtype, dk):
 
 @pytest.mark.parametrize("op", ["ssd", "linear_branch"])
 def test_non_default_backward_on_gpu(getkey, op):
-    # Each op's other backward: chunk-parallel for Mamba2's SSD, single-kernel for RLA.
+    # Each op's other backward: the single-kernel one (both default to chunk-parallel).
     from probjax_eqx.kernels.triton.ssm import ChunkedLinearConfig
 
     seq, dtype = 1000, jnp.bfloat16
     if op == "ssd":
         heads, p, n = 8, 64, 64
-        cfg = ChunkedLinearConfig(chunk_parallel_backward=True)
+        cfg = ChunkedLinearConfig(chunk_parallel_backward=False)
         x = jax.random.normal(getkey(), (seq, heads, p))
         dt = jax.nn.softplus(jax.random.normal(getkey(), (seq, heads)) - 3.0)
         a = -jnp.linspace(1.0, 16.0, heads)
