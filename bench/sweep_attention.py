@@ -4,13 +4,14 @@ python -m bench.sweep_attention --implementation triton|mosaic --out F
 """
 
 import argparse
+import dataclasses
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
 from bench.harness import RowWriter, classify, time_fn, warm_up_device
-from probjax_eqx import dot_product_attention, masks
+from probjax_eqx import dot_product_attention, explain_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -44,6 +45,19 @@ BWD = [
     (16, 128, 4, 4),
     (128, 128, 8, 2),
 ]
+# float32: 2 x 32 x 256 float32 accumulators of the dK/dV kernel's 32-key tiles are 128
+# registers a thread at 4 warps. hd 256, run 25: 378 ms fwd+bwd at 32 x 32 tiles; run 26:
+# 51 ms with 16-query steps (32 x 32: 359 ms at 4 or 8 warps).
+BWD_FLOAT32 = [
+    (32, 32, 4, 2),
+    (16, 32, 4, 2),
+    (16, 32, 4, 1),
+    (16, 32, 4, 3),
+    (16, 32, 2, 2),
+    (16, 16, 2, 2),
+    (16, 16, 4, 1),
+    (16, 64, 4, 2),
+]
 
 
 # Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers, ping-pong).
@@ -63,7 +77,7 @@ MOSAIC_BWD = [(64, 64, 64, 2), (128, 64, 64, 2), (64, 128, 64, 2), (128, 128, 64
 CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig}
 
 
-def _configs(implementation):
+def _configs(implementation, float32=False):
     if implementation == "mosaic":
         keys = ("block_k", "num_stages", "memory_registers", "pingpong")
         out = [("fwd", dict(zip(keys, tiles))) for tiles in MOSAIC_FWD]
@@ -84,9 +98,15 @@ def _configs(implementation):
                 num_stages_bwd=s,
             ),
         )
-        for a, b, w, s in BWD
+        for a, b, w, s in (BWD_FLOAT32 if float32 else BWD)
     ]
     return out
+
+
+def _config(q, k, v, mask, implementation, kwargs):
+    """The default config for this call with `kwargs` replaced (the other half fits)."""
+    base = explain_attention(q, k, v, mask=mask, implementation=implementation).config
+    return dataclasses.replace(base, **kwargs)
 
 
 def _measure(q, k, v, ct, mask, cfg, part, implementation):
@@ -111,6 +131,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: --seq)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     warm_up_device()
     kv_seq = args.kv_seq or args.seq
@@ -118,13 +139,13 @@ def main():
     for d in args.head_dim:
         keys = jax.random.split(jax.random.key(0), 4)
         shape = (args.batch, args.seq, args.heads, d)
-        q = jax.random.normal(keys[0], shape, jnp.bfloat16)
-        k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), jnp.bfloat16)
+        q = jax.random.normal(keys[0], shape, args.dtype)
+        k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), args.dtype)
                 for kk in keys[1:3])  # fmt: skip
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
-            for part, kwargs in _configs(args.implementation):
+            for part, kwargs in _configs(args.implementation, args.dtype == "float32"):
                 if part not in args.part:
                     continue
                 row = dict(
@@ -134,12 +155,13 @@ def main():
                     seq=args.seq,
                     kv_seq=kv_seq,
                     head_dim=d,
+                    dtype=args.dtype,
                     causal=causal,
                     config=kwargs,
                     status="ok",
                 )
                 try:
-                    cfg = CONFIG_TYPES[args.implementation](**kwargs)
+                    cfg = _config(q, k, v, mask, args.implementation, kwargs)
                     row.update(_measure(q, k, v, ct, mask, cfg, part, args.implementation))
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)

@@ -111,8 +111,9 @@ def test_split_kv_decode_on_gpu(getkey, q_len):
 
 
 @pytest.mark.parametrize(
-    "dtype, head_dim, q_len", [(jnp.float32, 128, 333), (jnp.bfloat16, 256, 200)]
-)
+    "dtype, head_dim, q_len",
+    [(jnp.float32, 128, 333), (jnp.bfloat16, 256, 200), (jnp.float32, 256, 200)],
+)  # float32 256: 16-row backward steps (default_config)
 def test_triton_large_head_dims_and_fp32(getkey, dtype, head_dim, q_len):
     q, k, v = make_qkv(
         getkey(),

@@ -173,6 +173,18 @@ def test_tile_selection_fits_shared_memory():
     assert (short.block_q, short.block_k) == (16, 32)
 
 
+def test_wide_float32_backward_steps_16_rows():
+    # float32 hd 256: 32-row steps spilled (359 ms fwd+bwd at T=4096, run 26; 51 at 16).
+    from probjax_eqx.attention_call import AttentionCall
+
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    for dtype, d, tiles in (("float32", 256, (16, 32, 32, 16)), ("float32", 128, (32,) * 4),
+                            ("bfloat16", 256, (64,) * 4)):  # fmt: skip
+        cfg = triton_attention.default_config(AttentionCall(4, 4096, 4096, 8, 8, d, d, dtype), h200)
+        got = (cfg.block_q_dkv, cfg.block_k_dkv, cfg.block_q_dq, cfg.block_k_dq)
+        assert got == tiles, (dtype, d, cfg)
+
+
 def test_causal_skips_tiles_and_mask_work():
     ctx = masks.MaskContext(1, 64, 64)
     lo, full_lo, full_hi, hi = _tiles.block_ranges(

@@ -185,14 +185,18 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
     block_q, block_k = fit(block_q, call.q_len), fit(block_k, call.kv_len)
     bwd = 64 if d <= 64 or itemsize == 2 else 32
+    # Wide float32 heads step 16 queries at a time through the dK/dV kernel (and 16 keys
+    # through dQ): with 32 x 256 float32 tiles the backward spilled, 359 ms fwd+bwd at
+    # hd 256, T=4096 vs 51 ms (H200 sweep, run 26).
+    step = 16 if itemsize == 4 and d > 128 else bwd
     pack, splits, block_q = _few_query_plan(call, device, block_q, block_k, fit)
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
-        block_q_dkv=fit(bwd, call.q_len),
+        block_q_dkv=fit(step, call.q_len),
         block_k_dkv=fit(bwd, call.kv_len),
         block_q_dq=fit(bwd, call.q_len),
-        block_k_dq=fit(bwd, call.kv_len),
+        block_k_dq=fit(step, call.kv_len),
         num_warps=4 if d <= 64 or fine else 8,
         num_warps_bwd=4,
         num_stages=stages,
