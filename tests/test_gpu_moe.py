@@ -46,6 +46,31 @@ def test_moe_dispatch_matches_xla(getkey, dispatch):
     assert_close(y, y_ref, jnp.bfloat16)
 
 
+def test_auto_forward_is_mosaic_and_train_step_fused_gsum(getkey):
+    # sm_90, 16-bit compute: outside differentiation Mosaic's forward, under it
+    # fused_gsum's forward and VJP; float32 compute leaves Mosaic out.
+    key = getkey()
+
+    def make(d, compute_dtype="bfloat16"):
+        return MoE(512, 1024, num_experts=16, top_k=4, dispatch=d, compute_dtype=compute_dtype,
+                   key=key)  # fmt: skip
+
+    auto = make("auto")
+    assert (auto.dispatch_mode, auto.inference_mode) == ("fused_gsum", "mosaic")
+    x = jax.random.normal(getkey(), (4096, 512))
+    assert auto.explain_inference(x).kernel == "mosaic"
+    assert make("auto", None).explain_inference(x) is None
+    y, _ = eqx.filter_jit(auto)(x)
+    assert_close(y, eqx.filter_jit(make("mosaic"))(x)[0], jnp.bfloat16)
+    assert_close(y, eqx.filter_jit(make("xla"))(x)[0], jnp.bfloat16)
+    loss = lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32))  # noqa: E731
+    got = eqx.filter_jit(eqx.filter_grad(loss))(auto, x)
+    want = eqx.filter_jit(eqx.filter_grad(loss))(make("xla"), x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
+
+
 @pytest.mark.parametrize("dispatch", ["auto", "mosaic"])
 def test_vmap_over_moe_on_gpu(getkey, dispatch):
     # The unbatched module under jax.vmap on the GPU kernels: auto (fused_gsum) and the

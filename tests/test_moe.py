@@ -273,6 +273,50 @@ def test_dispatch_resolution_on_simulated_sm90():
     assert sorted_gmm.priority == ("triton", "mosaic", "xla")  # measured: in-place Triton first
 
 
+def test_forward_or_vjp_runs_the_forward_unless_differentiated():
+    # Two stand-ins told apart by their values: the forward outside jax.grad, the other's
+    # forward and VJP inside (value_and_grad's value is the differentiable one's).
+    f = lambda x: moe_module.forward_or_vjp(lambda x: 2 * x, lambda x: 3 * x, x)  # noqa: E731
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(jax.jit(f)(x), 2 * x)
+    value, grad = jax.value_and_grad(lambda x: jnp.sum(f(x)))(x)
+    assert float(value) == float(jnp.sum(3 * x))
+    np.testing.assert_array_equal(grad, jnp.full(3, 3.0))
+    np.testing.assert_array_equal(jax.vmap(jax.grad(lambda x: f(x)))(x), jnp.full(3, 3.0))
+
+
+def test_inference_dispatch_rules():
+    rule = moe_module.resolve_inference_dispatch
+    cpu = DeviceInfo("cpu", "cpu", None)
+    # "auto": Mosaic's forward on sm_90 where dispatch="auto" runs fused_gsum, else none.
+    assert rule("auto", "auto", "fused_gsum", H200) == ("mosaic", False)
+    assert rule("auto", "fused_gsum", "fused_gsum", H200) == (None, False)  # pinned dispatch
+    assert rule("auto", "auto", "sorted", H200) == (None, False)  # deterministic ops
+    assert rule("auto", "auto", "sorted", cpu) == (None, False)
+    assert rule(None, "auto", "fused_gsum", H200) == (None, False)
+    assert rule("triton", "auto", "fused_gsum", H200) == ("triton", True)
+    assert rule("fused_gsum", "fused_gsum", "fused_gsum", H200) == (None, True)
+    with pytest.raises(ValueError, match="unknown inference_dispatch='fast'"):
+        rule("fast", "auto", "fused_gsum", H200)
+
+
+def test_inference_dispatch_forward_and_gradients(getkey):
+    # The sorted dispatch's forward outside differentiation, XLA's forward and VJP under
+    # it: the same values and gradients as XLA alone, under jit, vmap and grad.
+    key, x = getkey(), jax.random.normal(getkey(), (2, 9, 16))
+    hybrid, plain = (make_moe(key, inference_dispatch=i) for i in ("sorted", None))
+    assert (hybrid.inference_mode, plain.inference_mode) == ("sorted", None)
+    assert hybrid.explain_inference(x[0]).kernel == "xla"  # the CPU's sorted dispatch
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x)[0])
+    np.testing.assert_array_equal(run(hybrid, x), run(plain, x))
+    grad = eqx.filter_jit(eqx.filter_grad(lambda mx: jnp.sum(run(*mx) ** 2)))
+    for a, b in zip(jax.tree.leaves(grad((hybrid, x))), jax.tree.leaves(grad((plain, x)))):
+        np.testing.assert_array_equal(a, b)
+    # A mode named for inference that cannot run the call is refused, not skipped.
+    with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
+        make_moe(key, inference_dispatch="triton")(x[0])
+
+
 def dense_moe(moe: MoE, x):
     """Every expert on every token, combined with the top-k weights (float32 oracle)."""
     experts, weights, _ = moe.route(x)
