@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1, 2 or 3}" in
+case "${1:?stage 1 to 4}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -56,6 +56,19 @@ case "${1:?stage 1, 2 or 3}" in
     # default (the report's 0.42x gap compares within that older run).
     suite 80 attention_hd256 --suite attention --seq 4096 --set head_dim=256 causal=false \
       --only "probjax auto" "torch sdpa cudnn" "jax.nn cudnn" "torch sdpa flash"
+    ;;
+  4)
+    # Run 27: MoE auto's Mosaic forward outside differentiation (inference_dispatch), the
+    # float32 hd 256 backward's 16-row steps (378 ms fwd+bwd in run 25), and their tests.
+    step 190 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+      bash bench/gpu_tests.sh -k "auto_forward_is_mosaic or vmap_over_moe or \
+      large_head_dims_and_fp32 or moe_dispatch_matches"; cat $OUT/gpu_tests_by_name.txt; \
+      cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt'
+    suite 100 moe --suite moe --seq 16384 131072 --only "probjax moe auto"
+    suite 80 attention_fp32 --suite attention --seq 4096 --set head_dim=256 causal=false \
+      --only "probjax auto"
+    step 200 sweep_fp32 python3 -m bench.sweep_attention --out "$out/sweep_fp32.json" \
+      --seq 4096 --head-dim 256 128 --dtype float32 --part bwd --causal 0
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
