@@ -273,6 +273,32 @@ def test_dispatch_resolution_on_simulated_sm90():
     assert sorted_gmm.priority == ("triton", "mosaic", "xla")  # measured: in-place Triton first
 
 
+def test_bin_counts_match_bincount_and_ignore_values_past_the_bins(getkey):
+    from probjax_eqx._rows import bin_counts
+
+    values = jax.random.randint(getkey(), (37, 3), 0, 9)  # 8 and above fall outside
+    got = bin_counts(values, 8)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.bincount(np.asarray(values).ravel(), minlength=9)[:8])
+    # No scatter: a fused comparison and sum (a scatter-add contends on the counters).
+    assert not [e for e in all_eqns(jax.make_jaxpr(lambda v: bin_counts(v, 8))(values).jaxpr)
+                if "scatter" in e.primitive.name]  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_top_k_by_passes_is_top_k(getkey, k):
+    scores = jax.nn.softmax(jax.random.normal(getkey(), (50, 16)), axis=-1)
+    scores = scores.at[:5, 3:7].set(0.5)  # ties: the lower index first, as in top_k
+    want, got = jax.lax.top_k(scores, k), moe_module.top_k_by_passes(scores, k)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    assert got[1].dtype == want[1].dtype
+    weigh = jnp.arange(1.0, k + 1)
+    grads = [jax.grad(lambda s, f=f: jnp.sum(f(s, k)[0] * weigh))(scores)
+             for f in (jax.lax.top_k, moe_module.top_k_by_passes)]  # fmt: skip
+    np.testing.assert_array_equal(*grads)
+
+
 def test_forward_or_vjp_runs_the_forward_unless_differentiated():
     # Two stand-ins told apart by their values: the forward outside jax.grad, the other's
     # forward and VJP inside (value_and_grad's value is the differentiable one's).

@@ -15,6 +15,17 @@ def inverse_permutation(order):
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
+def bin_counts(values, length: int):
+    """`counts[b]` = how many of `values` equal `b`, for `b` in `[0, length)`.
+
+    Compared against every bin and summed (XLA fuses it into one reduction): a scatter-add
+    of ones contends on the few counters, 0.295 / 2.33 ms at 131k / 1M tokens x top-8
+    over 64 experts vs 0.049 / 0.127 this way (H200, run 28).
+    """
+    bins = jnp.arange(length, dtype=values.dtype)
+    return jnp.sum(values.reshape(-1)[:, None] == bins, axis=0, dtype=jnp.int32)
+
+
 # An MoE's copy of each token to its top-k rows and the weighted combine back are each
 # other's transposes. As `x[rows]` and `.at[rows].add`, one of them is a scatter-add
 # forward and backward; here both are gathers: `slots[t]` lists the k rows holding

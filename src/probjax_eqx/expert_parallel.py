@@ -30,7 +30,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
+from probjax_eqx._rows import (
+    bin_counts,
+    combine_rows,
+    copy_to_rows,
+    inverse_permutation,
+    permute_rows,
+)
 from probjax_eqx.backends import UnsupportedError
 from probjax_eqx.moe import MoE, MoEAux, swiglu
 
@@ -88,7 +94,7 @@ def _sort_local(expert_of_row, first, local):
     mine = (expert_of_row >= first) & (expert_of_row < first + local)
     key = jnp.where(mine, expert_of_row - first, local)
     order = jnp.argsort(key, stable=True)
-    sizes = jnp.zeros((local + 1,), jnp.int32).at[key].add(1)[:local]
+    sizes = bin_counts(key, local)  # rows of other devices' experts (key = local) count nowhere
     return order, sizes
 
 
@@ -115,7 +121,7 @@ def _all_to_all_exchange(moe: MoE, x, experts, weights, axis: str):
     order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
     token_of = order // moe.top_k
     dest = flat // local
-    send = jnp.zeros((size,), jnp.int32).at[dest].add(1)
+    send = bin_counts(dest, size)
     sent_by = jax.lax.all_gather(send, axis)  # [sender, receiver]: every count, once
     me = jax.lax.axis_index(axis)
     recv = sent_by[:, me]

@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from probjax_eqx._rows import combine_rows, copy_to_rows, inverse_permutation, permute_rows
+from probjax_eqx._rows import (
+    bin_counts,
+    combine_rows,
+    copy_to_rows,
+    inverse_permutation,
+    permute_rows,
+)
 from probjax_eqx.backends import (
     Backend,
     Choice,
@@ -404,6 +410,25 @@ def resolve_dispatch(
     return dataclasses.replace(auto, priority=tuple(n for n in priority if n in auto.priority))
 
 
+def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
+    """`jax.lax.top_k(scores, k)` over the last axis as `k` argmax passes.
+
+    For a router's few experts a pass is one fused reduction; ties go to the lower
+    index as in `top_k`, and the values' gradient is a select, not a scatter. H200, 64
+    experts, top-8 (run 29): 0.173 / 1.32 ms at 131k / 1M tokens vs `top_k`'s 0.373 /
+    2.84; the values' gradient 0.167 / 1.30 vs 0.381 / 3.01.
+    """
+    cols = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    rest, values, indices = scores, [], []
+    for _ in range(k):
+        index = jnp.argmax(rest, axis=-1).astype(jnp.int32)
+        hit = cols == index[..., None]
+        values.append(jnp.sum(jnp.where(hit, scores, 0), axis=-1))
+        indices.append(index)
+        rest = jnp.where(hit, -jnp.inf, rest)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
 def resolve_inference_dispatch(
     request: str | None, dispatch_request: str, dispatch_mode: str, device: DeviceInfo
 ) -> tuple[str | None, bool]:
@@ -639,12 +664,12 @@ class MoE(eqx.Module):
             scores = jax.nn.softmax(logits, axis=-1)
         else:
             scores = jax.nn.sigmoid(logits)
-        weights, experts = jax.lax.top_k(scores, self.top_k)
+        weights, experts = top_k_by_passes(scores, self.top_k)
         if self.normalize_weights:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         stats = RouterStats(
             tokens=jnp.asarray(x.shape[0], jnp.float32),
-            counts=jnp.zeros((self.num_experts,), jnp.int32).at[experts.reshape(-1)].add(1),
+            counts=bin_counts(experts, self.num_experts),
             prob_sum=jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0),
             z_sum=jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
         )
@@ -665,7 +690,7 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat, stable=True)
         token_of = order // self.top_k
         slots = inverse_permutation(order).reshape(experts.shape)
-        group_sizes = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
+        group_sizes = bin_counts(flat, self.num_experts)
         return token_of, slots, group_sizes, weights.reshape(-1)[order]
 
     def experts(self, x, experts, weights):
