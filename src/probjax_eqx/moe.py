@@ -413,6 +413,7 @@ def resolve_dispatch(
 def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
     """`jax.lax.top_k(scores, k)` over the last axis as `k` argmax passes.
 
+    For scores above -inf (a router's probabilities): a taken column is masked with -inf.
     For a router's few experts a pass is one fused reduction; ties go to the lower
     index as in `top_k`, and the values' gradient is a select, not a scatter. H200, 64
     experts, top-8 (run 29): 0.173 / 1.32 ms at 131k / 1M tokens vs `top_k`'s 0.373 /
