@@ -7,6 +7,7 @@ Modules resolve the backend once, at construction.
 """
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -56,7 +57,13 @@ class TritonRecurrence:
         )
 
     def default_config(self, call, device):
-        if self.config_type is ChunkedLinearConfig and call.features > 256:
+        tiles: dict[str, Any] = {}
+        if self.config_type is ChunkedLinearConfig and call.features <= 256:
+            # Narrow states (Mamba-2's SSD, 64 x 64): one program per head, and the
+            # chunk-parallel backward, 0.318 / 0.933 ms fwd / fwd+bwd at T=4096 vs 0.316 /
+            # 1.30 for the single-kernel one (h200_ssm_sweep.json, run 24).
+            tiles = dict(chunk_parallel_backward=True)
+        elif self.config_type is ChunkedLinearConfig:
             # Wide states (RLA's 2 x 128 features + 128 values): without value blocks
             # 64-step chunks asked the H200 for 327,680 bytes of shared memory (run 6),
             # and one program per head left most SMs idle. 16-bit: of the sweep at
@@ -65,23 +72,11 @@ class TritonRecurrence:
             # single-kernel backward. float32 keeps the latter: the former's forward
             # asked for 311,296 bytes (run 22).
             if jnp.dtype(call.dtype).itemsize > 2:
-                return ChunkedLinearConfig(
-                    chunk=32, block_dv=32, num_stages=1, interpret=not device.is_gpu
-                )
-            return ChunkedLinearConfig(
-                chunk=64,
-                block_dv=64,
-                num_warps=8,
-                num_stages=1,
-                chunk_parallel_backward=True,
-                interpret=not device.is_gpu,
-            )
-        if self.config_type is ChunkedLinearConfig:
-            # Narrow states (Mamba-2's SSD, 64 x 64): one program per head, and the
-            # chunk-parallel backward, 0.318 / 0.933 ms fwd / fwd+bwd at T=4096 vs 0.316 /
-            # 1.30 for the single-kernel one (h200_ssm_sweep.json, run 24).
-            return ChunkedLinearConfig(chunk_parallel_backward=True, interpret=not device.is_gpu)
-        return self.config_type(interpret=not device.is_gpu)
+                tiles = dict(chunk=32, block_dv=32, num_stages=1)
+            else:
+                tiles = dict(chunk=64, block_dv=64, num_warps=8, num_stages=1,
+                             chunk_parallel_backward=True)  # fmt: skip
+        return self.config_type(**tiles, interpret=not device.is_gpu)
 
 
 _TABLES = {
