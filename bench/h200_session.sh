@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 4}" in
+case "${1:?stage 1 to 5}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -69,6 +69,19 @@ case "${1:?stage 1 to 4}" in
       --only "probjax auto"
     step 200 sweep_fp32 python3 -m bench.sweep_attention --out "$out/sweep_fp32.json" \
       --seq 4096 --head-dim 256 128 --dtype float32 --part bwd --causal 0
+    ;;
+  5)
+    # Decode reading the caller's q / k / v (no pad, pack, slice or unpack launches; the
+    # ranges of unmasked calls as constants) on 128-key steps, one program per SM: its
+    # GPU tests, the Lq 1 / 16 rows beside torch cuDNN, and the compiled launches.
+    step 220 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+      bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring or cudnn_padded"; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+      tail -3 $OUT/gpu_tests.txt'
+    step 40 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8 \
+      auto/1/131072/32 auto/1/131072/8
+    suite 280 decode --suite decode --set q_len=1,16 --only "probjax auto" \
+      "probjax triton" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

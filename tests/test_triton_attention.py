@@ -289,17 +289,34 @@ def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
     assert not np.any(np.asarray(grads[0][0], np.float32))
 
 
+@pytest.mark.parametrize("q_heads, dim", [(6, 16), (4, 24)], ids=["groups_3", "dim_24"])
+def test_packed_gqa_through_padded_operands(getkey, q_heads, dim):
+    """Packing that the direct forward cannot read (a group of 3, a head dim of 24): the
+    operands are packed and padded for the kernels instead."""
+    q, k, v = make_qkv(
+        getkey(), q_len=2, kv_len=70, q_heads=q_heads, kv_heads=2, qk_dim=dim, v_dim=dim
+    )
+    ct = jax.random.normal(getkey(), (2, 2, q_heads, dim))
+    config = dataclasses.replace(CFG, num_splits=2, pack_gqa=True)
+    check(q, k, v, ct, masks.KVLengths(jnp.array([70, 33])), config=config)
+
+
 def test_few_query_plan_splits_and_packs():
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(decode, h200)
-    assert cfg.pack_gqa and cfg.block_q == 16
-    # 8 programs (1 batch x 8 KV heads); 264 fit at once: 30 splits fill 91% of one wave.
-    assert cfg.num_splits == 30
-    # Per-batch KV lengths ask for >= 4 waves; 512 key tiles allow at most 128 splits of 4.
+    assert cfg.pack_gqa and (cfg.block_q, cfg.block_k, cfg.num_stages) == (16, 128, 3)
+    # 8 programs (1 batch x 8 KV heads) of 196 KiB shared memory: one per SM, 132 at once;
+    # 15 splits fill 91% of one wave.
+    assert cfg.num_splits == 15
+    # Per-batch KV lengths ask for >= 4 waves; 256 key tiles allow at most 64 splits of 4.
     ragged = dataclasses.replace(decode, mask_terms=(("kv_lengths",),))
-    assert triton_attention.default_config(ragged, h200).num_splits == 128
+    assert triton_attention.default_config(ragged, h200).num_splits == 64
+    # 64 programs at batch 8: 2 splits, 128 of 132 (the H200 sweep's best, run 16).
+    batched = dataclasses.replace(decode, batch=8, kv_len=131072)
+    assert triton_attention.default_config(batched, h200).num_splits == 2
     rule = triton_attention.SPLIT_KV_RULES["sm_90"]
+    assert triton_attention.split_count(8, 2048, rule, per_sm=1) == 15
     assert triton_attention.split_count(64, 2048, rule) == 4  # 256 of 264: one wave
     assert triton_attention.split_count(320, 2048, rule) == 3  # 1.21 waves -> 3.64
     assert triton_attention.split_count(8, 8, rule) == 2  # >= 4 key tiles a split

@@ -3,9 +3,10 @@
 Padding, tile ranges, the custom VJP and the config / interpret check.
 
 A family builds a `FlashKernels` for a call: its `forward` and `backward` on padded
-operands. Calling it wires them into one `jax.custom_vjp` (`attend`) and slices the
-padding off; `forward_lse` and `backward_given` expose the two halves for callers that
-merge blocks themselves (ring attention).
+operands (or, `direct`, a forward on the caller's). Calling it wires them into one
+`jax.custom_vjp` (`attend`) and slices the padding off; `forward_lse` and
+`backward_given` expose the two halves for callers that merge blocks themselves (ring
+attention).
 """
 
 import dataclasses
@@ -20,13 +21,9 @@ from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _tiles
 
 
-def pad_qkv(q, k, v, *, q_pad: int, kv_pad: int, d: int, dv: int):
-    """Zero-pad sequence and head dims of `[batch, seq, heads, dim]` operands."""
-
-    def pad(x, length, dim):
-        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
-
-    return pad(q, q_pad, d), pad(k, kv_pad, d), pad(v, kv_pad, dv)
+def pad_seq(x, length: int, dim: int):
+    """`[batch, seq, heads, c]` zero-padded to `length` rows and `dim` columns."""
+    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
 
 
 def tile_ranges(ctx, mask, q_pad: int, kv_pad: int, *, fwd, dq, dkv) -> dict:
@@ -78,14 +75,42 @@ def tile_loop(ranges, body, init):
 LN2 = math.log(2.0)  # the kernels' log-sum-exp is base 2
 
 
+def pack_rows(x, groups: int):
+    """`[b, q, kv_heads * groups, d]` -> `[b, q * groups, kv_heads, d]`, row `q * groups + g`.
+
+    GQA packing: the query heads sharing a KV head become rows of one tile.
+    """
+    if groups == 1:
+        return x
+    b, q, heads, d = x.shape
+    x = x.reshape(b, q, heads // groups, groups, d).transpose(0, 1, 3, 2, 4)
+    return x.reshape(b, q * groups, heads // groups, d)
+
+
+def unpack_rows(x, groups: int):
+    """The inverse of `pack_rows`."""
+    if groups == 1:
+        return x
+    b, rows, kv_heads, d = x.shape
+    x = x.reshape(b, rows // groups, groups, kv_heads, d).transpose(0, 1, 3, 2, 4)
+    return x.reshape(b, rows // groups, kv_heads * groups, d)
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashKernels:
     """One call's forward and backward kernels with the padding they need.
 
-    `forward(qp, kp, vp, fwd_ranges, operands) -> (o, lse)` and
-    `backward(qp, kp, vp, o, lse, do, ranges, operands) -> (dq, dk, dv, doperands)` take
-    padded operands; `lse` is base 2 (scores times `log2(e)`), `+inf` on rows without a
-    valid key. `ranges` and `operands` are arrays built for this call's mask.
+    `forward(q, k, v, fwd_ranges, operands) -> (o, lse)` and
+    `backward(qp, kp, vp, o, lse, do, ranges, operands) -> (dq, dk, dv, doperands)`;
+    `lse` is base 2 (scores times `log2(e)`), `[batch, heads, q_pad]` (packed rows when
+    `pack > 1`), `+inf` on rows without a valid key. `ranges` and `operands` are arrays
+    built for this call's mask. The backward takes padded (and packed) operands. The
+    forward takes them too, unless `direct`: then it reads the caller's `q`, `k`, `v` as
+    they are (masked tile loads) and writes `o` in the caller's shape, so a call runs no
+    padding, packing or slicing around its kernels (at decode sizes each such launch
+    costs more than its data).
+
+    `pack`: the query heads of each KV head run as rows of one tile (`pack_rows`).
     """
 
     forward: Callable
@@ -96,16 +121,45 @@ class FlashKernels:
     kv_pad: int
     d_pad: int
     dv_pad: int
+    direct: bool = False
+    pack: int = 1
+
+    def _rows_in(self, x, width: int):
+        """Caller's `[b, q, heads, c]` -> the kernels' packed, padded rows."""
+        x = pack_rows(x, self.pack)
+        return pad_seq(x, self.q_pad, width)
+
+    def _rows_out(self, x, q_len: int, width: int):
+        """The inverse of `_rows_in` for `q_len` caller rows and `width` columns."""
+        return unpack_rows(x[:, : q_len * self.pack, :, :width], self.pack)
 
     def _pad(self, q, k, v):
-        return pad_qkv(q, k, v, q_pad=self.q_pad, kv_pad=self.kv_pad, d=self.d_pad, dv=self.dv_pad)
+        return (
+            self._rows_in(q, self.d_pad),
+            pad_seq(k, self.kv_pad, self.d_pad),
+            pad_seq(v, self.kv_pad, self.dv_pad),
+        )
+
+    def _forward(self, q, k, v, fwd_ranges, operands):
+        """The output in the caller's shape and the kernels' `lse`."""
+        if self.direct:
+            return self.forward(q, k, v, fwd_ranges, operands)
+        o, lse = self.forward(*self._pad(q, k, v), fwd_ranges, operands)
+        return self._rows_out(o, q.shape[1], v.shape[3]), lse
+
+    def _backward(self, q, k, v, o, lse, do, ranges, operands):
+        """`(dq, dk, dv, doperands)` of the caller's operands, given the forward's `lse`."""
+        qp, kp, vp = self._pad(q, k, v)
+        op = self._rows_in(o.astype(q.dtype), self.dv_pad)
+        dop = self._rows_in(do.astype(q.dtype), self.dv_pad)
+        dq, dk, dv, doperands = self.backward(qp, kp, vp, op, lse, dop, ranges, operands)
+        d, lk = q.shape[3], k.shape[1]
+        dq = self._rows_out(dq, q.shape[1], d)
+        return dq, dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]], doperands
 
     def __call__(self, q, k, v):
         """The attention output, under one custom VJP whose backward is `backward`."""
-        return attend(
-            self.forward, self.backward, *self._pad(q, k, v), self.ranges, self.operands,
-            q_len=q.shape[1], v_dim=v.shape[3],
-        )  # fmt: skip
+        return attend(self, q, k, v, self.ranges, self.operands)
 
     def forward_lse(self, q, k, v):
         """The output and the natural-log log-sum-exp `[batch, heads, q_seq]` of each row.
@@ -113,10 +167,11 @@ class FlashKernels:
         `-inf` where no key is valid. Not differentiable: pair it with `backward_given`
         (ring attention merges blocks by `lse`).
         """
-        o, lse = self.forward(*self._pad(q, k, v), self.ranges["fwd"], self.operands)
+        if self.pack != 1:
+            raise ValueError("forward_lse needs unpacked query heads")
+        o, lse = self._forward(q, k, v, self.ranges["fwd"], self.operands)
         lse = lse[:, :, : q.shape[1]]
-        lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse * LN2)
-        return o[:, : q.shape[1], :, : v.shape[3]], lse
+        return o, jnp.where(jnp.isposinf(lse), -jnp.inf, lse * LN2)
 
     def backward_given(self, q, k, v, o, lse, do):
         """`(dq, dk, dv)` through this call's keys, given the rows' statistics over all keys.
@@ -124,38 +179,34 @@ class FlashKernels:
         `lse` (natural log) and `o` cover *every* key block: this is the flash backward of
         one block of a larger key set, exact once the blocks' gradients are summed.
         """
-        qp, kp, vp = self._pad(q, k, v)
-        rows = ((0, 0), (0, self.q_pad - q.shape[1]), (0, 0), (0, self.dv_pad - v.shape[3]))
-        op = jnp.pad(o.astype(q.dtype), rows)
-        dop = jnp.pad(do.astype(q.dtype), rows)
+        if self.pack != 1:
+            raise ValueError("backward_given needs unpacked query heads")
         lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse / LN2).astype(jnp.float32)
         tail = ((0, 0), (0, 0), (0, self.q_pad - q.shape[1]))
         lse2 = jnp.pad(lse2, tail, constant_values=jnp.inf)
-        dq, dk, dv, _ = self.backward(qp, kp, vp, op, lse2, dop, self.ranges, self.operands)
-        d, lk = q.shape[3], k.shape[1]
-        return dq[:, : q.shape[1], :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]]
+        return self._backward(q, k, v, o, lse2, do, self.ranges, self.operands)[:3]
 
 
-def attend(forward, backward, qp, kp, vp, ranges, operands, *, q_len: int, v_dim: int):
-    """Run `forward` under a custom VJP whose backward is `backward` (module docstring)."""
+def attend(kernels: FlashKernels, q, k, v, ranges, operands):
+    """`kernels`' forward under a custom VJP whose backward is its backward."""
 
     # Ranges and operands are explicit (integer, non-differentiable) arguments: a
     # custom_vjp must not close over tracers, or `scan`/`jit` leak them into the bwd.
     @jax.custom_vjp
-    def run(qp, kp, vp, ranges, operands):
-        return forward(qp, kp, vp, ranges["fwd"], operands)[0]
+    def run(q, k, v, ranges, operands):
+        return kernels._forward(q, k, v, ranges["fwd"], operands)[0]
 
-    def run_fwd(qp, kp, vp, ranges, operands):
-        o, lse = forward(qp, kp, vp, ranges["fwd"], operands)
-        return o, (qp, kp, vp, o, lse, ranges, operands)
+    def run_fwd(q, k, v, ranges, operands):
+        o, lse = kernels._forward(q, k, v, ranges["fwd"], operands)
+        return o, (q, k, v, o, lse, ranges, operands)
 
     def run_bwd(residuals, do):
-        qp, kp, vp, o, lse, ranges, operands = residuals
-        *grads, doperands = backward(qp, kp, vp, o, lse, do, ranges, operands)
+        q, k, v, o, lse, ranges, operands = residuals
+        *grads, doperands = kernels._backward(q, k, v, o, lse, do, ranges, operands)
         return (*grads, None, doperands)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(qp, kp, vp, ranges, operands)[:, :q_len, :, :v_dim]
+    return run(q, k, v, ranges, operands)
 
 
 def check_pallas(name: str, config_type: type, config, device: DeviceInfo, needs: str):

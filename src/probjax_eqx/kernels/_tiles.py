@@ -21,6 +21,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from probjax_eqx import biases, masks
 
@@ -171,30 +172,33 @@ def block_ranges(
     n_prog_real = ctx.q_len if kv_loop else ctx.kv_len
     n_loop_real = ctx.kv_len if kv_loop else ctx.q_len
     n_programs = (q_pad if kv_loop else kv_pad) // program_block
-    starts = jnp.arange(n_programs, dtype=jnp.int32) * program_block
-    ends = jnp.minimum(starts + program_block, n_prog_real)
-
-    def one(b, lo, hi):
-        if mask is None:
-            everything = (jnp.int32(0), jnp.int32(n_loop_real))
-            return everything + everything
+    # Without a mask every bound is static: numpy constants, which cost no launches (the
+    # traced version is a broadcast fusion per array, at decode sizes a visible cost).
+    xp = np if mask is None else jnp
+    starts = xp.arange(n_programs, dtype=np.int32) * program_block
+    ends = xp.minimum(starts + program_block, n_prog_real)
+    shape = (ctx.batch, n_programs)
+    if mask is None:
+        lo, hi = np.zeros(shape, np.int32), np.full(shape, n_loop_real, np.int32)
+        full_lo, full_hi = lo, hi
+    else:
         bounds = mask.kv_range if kv_loop else mask.q_range
         full = mask.kv_full_range if kv_loop else mask.q_full_range
-        return bounds(ctx, b, lo, hi) + full(ctx, b, lo, hi)
 
-    b = jnp.arange(ctx.batch, dtype=jnp.int32)
-    out = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
-    lo, hi, full_lo, full_hi = (
-        jnp.broadcast_to(x, (ctx.batch, n_programs)).astype(jnp.int32) for x in out
-    )
+        def one(b, lo, hi):
+            return bounds(ctx, b, lo, hi) + full(ctx, b, lo, hi)
+
+        b = jnp.arange(ctx.batch, dtype=jnp.int32)
+        out = jax.vmap(lambda b: jax.vmap(lambda s, e: one(b, s, e))(starts, ends))(b)
+        lo, hi, full_lo, full_hi = (jnp.broadcast_to(x, shape).astype(jnp.int32) for x in out)
     empty = (hi <= lo) | (starts >= n_prog_real)[None, :]
-    lo_blk = jnp.where(empty, 0, lo // loop_block)
-    hi_blk = jnp.where(empty, 0, -(-hi // loop_block))
+    lo_blk = xp.where(empty, 0, lo // loop_block)
+    hi_blk = xp.where(empty, 0, -(-hi // loop_block))
     # Padded keys of a partial program tile need the mask's length check.
-    partial = ends < starts + program_block if not kv_loop else jnp.zeros_like(starts, bool)
-    full_lo_blk = jnp.clip(-(-full_lo // loop_block), lo_blk, hi_blk)
-    full_hi_blk = jnp.clip(full_hi // loop_block, full_lo_blk, hi_blk)
+    partial = ends < starts + program_block if not kv_loop else xp.zeros_like(starts, dtype=bool)
+    full_lo_blk = xp.clip(-(-full_lo // loop_block), lo_blk, hi_blk)
+    full_hi_blk = xp.clip(full_hi // loop_block, full_lo_blk, hi_blk)
     no_full = (full_hi_blk <= full_lo_blk) | partial[None, :]
-    full_lo_blk = jnp.where(no_full, hi_blk, full_lo_blk)
-    full_hi_blk = jnp.where(no_full, hi_blk, full_hi_blk)
-    return lo_blk, full_lo_blk, full_hi_blk, hi_blk
+    full_lo_blk = xp.where(no_full, hi_blk, full_lo_blk)
+    full_hi_blk = xp.where(no_full, hi_blk, full_hi_blk)
+    return tuple(x.astype(np.int32) for x in (lo_blk, full_lo_blk, full_hi_blk, hi_blk))

@@ -172,7 +172,14 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # 8 warps, 3 stages for dense hd 128; masks that empty tiles (causal, windows) gain
     # from finer 64x64 tiles with 4 warps.
     fine = any(t[0] in _TILE_SKIPPING for t in call.mask_terms) and d > 64
-    block_q, block_k, stages = (64 if fine else 128), 64, 3
+    # Short sequences do not need tiles longer than themselves.
+    fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
+    pack, rows, heads = _query_rows(call)
+    # One query tile of 16 rows per head (decoding) is bandwidth-bound: 128-key steps in
+    # 3 stages, one program per SM by shared memory, read K/V fastest (H200 sweep, run
+    # 16: 0.991 ms vs 1.009 for 64-key steps at batch 8, 131,072 keys, 8 KV heads).
+    decode = rows <= _MIN_BLOCK
+    block_q, block_k, stages = fit(64 if fine else 128, rows), (128 if decode else 64), 3
     while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
         if block_k > 32:
             block_k //= 2
@@ -181,15 +188,15 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         else:
             stages = 1
             break
-    # Short sequences do not need tiles longer than themselves.
-    fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
-    block_q, block_k = fit(block_q, call.q_len), fit(block_k, call.kv_len)
+    block_k = fit(block_k, call.kv_len)
     bwd = 64 if d <= 64 or itemsize == 2 else 32
     # Wide float32 heads step 16 queries at a time through the dK/dV kernel (and 16 keys
     # through dQ): with 32 x 256 float32 tiles the backward spilled, 359 ms fwd+bwd at
     # hd 256, T=4096 vs 51 ms (H200 sweep, run 26).
     step = 16 if itemsize == 4 and d > 128 else bwd
-    pack, splits, block_q = _few_query_plan(call, device, block_q, block_k, fit)
+    smem = smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages)
+    programs = call.batch * heads * -(-rows // block_q)
+    splits = _split_plan(call, device, programs, block_k, smem)
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
@@ -208,23 +215,29 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 
 
 # Split-KV (flash-decoding) plan, per registry entry. `programs_per_sm` is the residency
-# of the forward's programs (ncu on the H200: 8 warps x 96 registers allow 2). A grid
-# whose last wave is part-empty reads memory at the rate of its few last programs: 320
-# programs (1.21 waves) read K/V at 3.2 TB/s, 1024 (3.88 waves) at 4.3 TB/s. So a call
-# with few programs takes the fewest splits whose waves are >= `min_efficiency` full,
-# keeping >= `min_tiles` key tiles a split. Per-batch KV lengths make programs unequal:
-# >= `ragged_waves` waves let the scheduler even them out.
+# of the forward's programs by registers (ncu on the H200: 8 warps x 96 registers allow
+# 2); shared memory (`smem_per_sm`) may allow fewer. A grid whose last wave is part-empty
+# reads memory at the rate of its few last programs: 320 programs (1.21 waves) read K/V at
+# 3.2 TB/s, 1024 (3.88 waves) at 4.3 TB/s. So a call with few programs takes the fewest
+# splits whose waves are >= `min_efficiency` full, keeping >= `min_tiles` key tiles a
+# split. Per-batch KV lengths make programs unequal: >= `ragged_waves` waves let the
+# scheduler even them out.
 SPLIT_KV_RULES = {
-    "sm_90": dict(sms=132, programs_per_sm=2, min_tiles=4, min_efficiency=0.9, max_splits=256,
-                  ragged_waves=4),
-    "generic": dict(sms=108, programs_per_sm=2, min_tiles=4, min_efficiency=0.9, max_splits=256,
-                    ragged_waves=4),
+    "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
+                  min_efficiency=0.9, max_splits=256, ragged_waves=4),
+    "generic": dict(sms=108, programs_per_sm=2, smem_per_sm=164 * 1024, min_tiles=4,
+                    min_efficiency=0.9, max_splits=256, ragged_waves=4),
 }  # fmt: skip
 
 
-def split_count(programs: int, kv_tiles: int, rule: dict, *, ragged: bool = False) -> int:
-    """Splits of the key axis for a grid of `programs` (see `SPLIT_KV_RULES`)."""
-    capacity = rule["sms"] * rule["programs_per_sm"]
+def split_count(
+    programs: int, kv_tiles: int, rule: dict, *, ragged: bool = False, per_sm: int | None = None
+) -> int:
+    """Splits of the key axis for a grid of `programs` (see `SPLIT_KV_RULES`).
+
+    `per_sm`: resident programs per SM, when fewer than the rule's `programs_per_sm`.
+    """
+    capacity = rule["sms"] * (rule["programs_per_sm"] if per_sm is None else per_sm)
     if programs >= 2 * capacity:
         return 1  # many programs: the last wave is a small part of the time
     most = max(1, min(rule["max_splits"], kv_tiles // rule["min_tiles"]))
@@ -239,16 +252,24 @@ def split_count(programs: int, kv_tiles: int, rule: dict, *, ragged: bool = Fals
     return next(n for n in range(1, most + 1) if efficiency(n) >= wanted)
 
 
-def _few_query_plan(call: AttentionCall, device: DeviceInfo, block_q, block_k, fit):
-    """`(pack_gqa, num_splits, block_q)` for `call`."""
-    rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+def _query_rows(call: AttentionCall) -> tuple[bool, int, int]:
+    """`(pack_gqa, rows, heads)`: query rows per head of the forward's grid, and its heads.
+
+    Packing (`pack_gqa`) runs the query heads sharing a KV head as rows of one tile.
+    """
     pack = call.groups > 1 and packable(call) and call.q_len * call.groups <= 128
-    rows, heads = (call.q_len * call.groups, call.kv_heads) if pack else (call.q_len, call.q_heads)
-    block_q = fit(block_q, rows)
-    programs = call.batch * heads * -(-rows // block_q)
+    if pack:
+        return True, call.q_len * call.groups, call.kv_heads
+    return False, call.q_len, call.q_heads
+
+
+def _split_plan(call: AttentionCall, device: DeviceInfo, programs: int, block_k: int, smem: int):
+    """`num_splits` for a forward grid of `programs` using `smem` bytes each."""
+    rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+    per_sm = int(max(1, min(rule["programs_per_sm"], rule["smem_per_sm"] // smem)))
     ragged = any(t[0] == "kv_lengths" for t in call.mask_terms)
-    splits = split_count(programs, -(-call.kv_len // block_k), rule, ragged=ragged)
-    return pack, splits, block_q
+    kv_tiles = -(-call.kv_len // block_k)
+    return split_count(programs, kv_tiles, rule, ragged=ragged, per_sm=per_sm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,10 +284,69 @@ class _Static:
     kinds: tuple[str, ...]
     n_mask_ops: int
     param_slots: tuple[int, ...] = ()  # float per-head operands: their gradients are computed
+    rows: "_Rows | None" = None  # the forward's query rows, when it reads the caller's q
 
     @property
     def ctx(self) -> MaskContext:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """How a forward program's `block` query rows map onto the caller's `q` and `o`.
+
+    The caller's `[batch, q_len, heads, c]` array, viewed as
+    `[batch, q_len, kv_heads, pack, c]` when `pack` query heads share a tile (GQA
+    packing): a tile holds `block // pack` query positions of `pack` heads each. Rows past
+    `q_len` are masked on load (zeros) and store.
+    """
+
+    block: int
+    q_len: int
+    pack: int
+
+    @property
+    def positions(self) -> int:
+        return self.block // self.pack
+
+    def view_shape(self, shape):
+        """The shape the kernels index, of the caller's `shape` (a free reshape)."""
+        if self.pack == 1:
+            return tuple(shape)
+        batch, q_len, heads, c = shape
+        return (batch, q_len, heads // self.pack, self.pack, c)
+
+    def view(self, x):
+        return x.reshape(self.view_shape(x.shape))
+
+    def unview(self, x):
+        return x if self.pack == 1 else x.reshape(*x.shape[:2], -1, x.shape[-1])
+
+    def spec(self, c: int, tile_of):
+        if self.pack == 1:
+            return pl.BlockSpec((None, self.block, None, c), lambda t, h, b: (b, tile_of(t), h, 0))
+        return pl.BlockSpec(
+            (None, self.positions, None, self.pack, c), lambda t, h, b: (b, tile_of(t), h, 0, 0)
+        )
+
+    def _mask(self, tile):
+        if self.q_len % self.positions == 0:
+            return None  # every tile full
+        pos = tile * self.positions + jnp.arange(self.positions, dtype=jnp.int32)
+        return (pos < self.q_len).reshape((self.positions,) + (1,) * (1 + (self.pack > 1)))
+
+    def load(self, ref, tile):
+        mask = self._mask(tile)
+        x = ref[...] if mask is None else plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
+        return x.reshape(self.block, x.shape[-1])
+
+    def store(self, ref, x, tile):
+        x = x.reshape(ref.shape).astype(ref.dtype)
+        mask = self._mask(tile)
+        if mask is None:
+            ref[...] = x
+        else:
+            plt.store(ref, x, mask=mask)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -321,7 +401,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     splits = st.config.num_splits
     bq, bk = st.config.block_q, st.config.block_k
     i = _flash.last_first(t // splits, st.q_pad // bq)
-    q = q_ref[...]
+    q = q_ref[...] if st.rows is None else st.rows.load(q_ref, i)
+    # Reading the caller's K / V: the last key tile may run past them (masked loads).
+    ragged_tail = st.rows is not None and st.call.kv_len % bk != 0
+
+    def kv_tile(ref, start, masked):
+        if not (masked and ragged_tail):
+            return ref[pl.ds(start, bk), :]
+        keep = (start + jnp.arange(bk, dtype=jnp.int32) < st.call.kv_len)[:, None]
+        return plt.load(ref.at[pl.ds(start, bk), :], mask=keep, other=jnp.zeros((), ref.dtype))
+
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
     ranges = tuple(ref[()] for ref in range_refs)
     if splits > 1:
@@ -338,7 +427,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         tile = pl.ds(start, bk)
         mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        s = plt.dot(q, k_ref[tile, :], trans_b=True)
+        s = plt.dot(q, kv_tile(k_ref, start, masked), trans_b=True)
         if mod is None:
             # Scale after the row max and inside `s * c - m` (one FMA an element): the
             # softmax's ALU work competes with the MMAs in this kernel.
@@ -354,7 +443,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s * c - m_safe[:, None])
-        v = v_ref[tile, :]
+        v = kv_tile(v_ref, start, masked)
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
         return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
 
@@ -366,7 +455,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     acc, m, denom = _flash.tile_loop(ranges, body, init)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
-    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    if st.rows is not None and splits == 1:
+        st.rows.store(o_ref, acc / safe[:, None], i)
+    else:
+        o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
     # An empty row: +inf makes the backward's p = 0; an empty split weighs 0 in the merge.
     lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
 
@@ -487,17 +579,19 @@ def _range_specs(tile_of=_same):
 
 
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
+    """`(o, lse)`: `o` in the caller's shape when `st.rows` (direct), else padded."""
     cfg, groups = st.config, st.call.groups
-    batch, _, heads, d = q.shape
-    dv = v.shape[-1]
+    batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
     grid = (tiles * n, heads, batch)
+    rows = st.rows or _Rows(cfg.block_q, st.q_pad, 1)
+    o_shape = (*q.shape[:-1], dv) if st.rows else (batch, st.q_pad, heads, dv)
 
     def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
         return _flash.last_first(t // n, tiles)
 
     in_specs = [
-        pl.BlockSpec((None, cfg.block_q, None, d), lambda t, h, b: (b, tile_of(t), h, 0)),
+        rows.spec(d, tile_of),
         pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
         pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
         *_range_specs(tile_of),
@@ -512,11 +606,11 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     ]
     if n == 1:
         out_specs = [
-            pl.BlockSpec((None, cfg.block_q, None, dv), lambda t, h, b: (b, tile_of(t), h, 0)),
+            rows.spec(dv, tile_of),
             pl.BlockSpec((None, None, cfg.block_q), lambda t, h, b: (b, h, tile_of(t))),
         ]
         out_shape = [
-            jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
+            jax.ShapeDtypeStruct(rows.view_shape(o_shape), q.dtype),
             jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
         ]
     else:  # float32 partials per split, merged below
@@ -542,11 +636,13 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="probjax_attention_triton_fwd" if n == 1 else "probjax_attention_triton_fwd_split",
-    )(q, k, v, *fwd_ranges, *operands)
-    return outs if n == 1 else merge_splits(outs[0], outs[1], q.dtype, cfg)
+    )(rows.view(q), k, v, *fwd_ranges, *operands)
+    if n == 1:
+        return rows.unview(outs[0]), outs[1]
+    return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref):
+def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows):
     """One (query tile, head, batch) of `merge_splits`: an online softmax over splits."""
 
     def body(split, carry):
@@ -558,49 +654,49 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref):
         acc = acc * alpha[:, None] + o_ref[split, :, :] * weight[:, None]
         return acc, m_new, total * alpha + weight
 
-    rows, dv = out_ref.shape
+    splits, block, dv = o_ref.shape
     init = (
-        jnp.zeros((rows, dv), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((block, dv), jnp.float32),
+        jnp.full((block,), -jnp.inf, jnp.float32),
+        jnp.zeros((block,), jnp.float32),
     )
-    acc, m, total = jax.lax.fori_loop(0, o_ref.shape[0], body, init)
+    acc, m, total = jax.lax.fori_loop(0, splits, body, init)
     empty = total == 0.0
     safe = jnp.where(empty, 1.0, total)
-    out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
+    rows.store(out_ref, acc / safe[:, None], pl.program_id(0))
     out_lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
 
 
-def merge_splits(o, lse, dtype, config: TritonAttentionConfig):
+def merge_splits(o, lse, dtype, config: TritonAttentionConfig, *, rows: "_Rows | None" = None):
     """Exact merge of per-split partials by their log-sum-exp, in one small kernel.
 
     `o` is `[splits, b, q, h, dv]`, each split normalised over its keys; `lse` is base 2,
-    `[splits, b, h, q]`, -inf where a split saw no key. Returns `o` `[b, q, h, dv]` in
-    `dtype` and `lse` `[b, h, q]` (+inf on rows no split saw a key of). One kernel
-    instead of XLA's reductions and transposes: at decode sizes each launch costs more
-    than the data it moves.
+    `[splits, b, h, q]`, -inf where a split saw no key. Returns `o` in `dtype` and `lse`
+    `[b, h, q]` (+inf on rows no split saw a key of); `o` is `[b, q, h, dv]`, or with
+    `rows` the caller's output (`_Rows`). One kernel instead of XLA's reductions and
+    transposes: at decode sizes each launch costs more than the data it moves.
     """
     splits, batch, q_pad, heads, dv = o.shape
     bq = config.block_q
-    return pl.pallas_call(
-        _merge_kernel,
+    rows = rows or _Rows(bq, q_pad, 1)
+    out_shape = (batch, rows.q_len, heads * rows.pack, dv)
+    out, out_lse = pl.pallas_call(
+        functools.partial(_merge_kernel, rows=rows),
         grid=(q_pad // bq, heads, batch),
         in_specs=[
             pl.BlockSpec((splits, None, bq, None, dv), lambda t, h, b: (0, b, t, h, 0)),
             pl.BlockSpec((splits, None, None, bq), lambda t, h, b: (0, b, h, t)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, bq, None, dv), lambda t, h, b: (b, t, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda t, h, b: (b, h, t)),
-        ],
+        out_specs=[rows.spec(dv, _same), pl.BlockSpec((None, None, bq), lambda t, h, b: (b, h, t))],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, q_pad, heads, dv), dtype),
+            jax.ShapeDtypeStruct(rows.view_shape(out_shape), dtype),
             jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32),
         ],
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
         interpret=config.interpret,
         name="probjax_attention_triton_merge_splits",
     )(o, lse)
+    return rows.unview(out), out_lse
 
 
 def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
@@ -703,18 +799,28 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
 
 def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
     """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring)."""
-    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
-    if config.pack_gqa and call.groups > 1:
-        if not packable(call):
-            raise UnsupportedError("triton", "pack_gqa needs a mask that ignores query positions")
-        return _packed_gqa(q, k, v, mask=mask, scale=scale, config=config)
     return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
 
 
 def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
-    """The `_flash.FlashKernels` of one call (query heads unpacked)."""
+    """The `_flash.FlashKernels` of one call.
+
+    With `pack_gqa` the query heads of each KV head run as rows of one tile. The forward
+    reads the caller's operands (`direct`) when the head dims need no padding and a
+    packed group is a power of two; otherwise they are padded (and packed) for it.
+    """
     call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+    pack = call.groups if config.pack_gqa and call.groups > 1 else 1
+    if pack > 1:
+        if not packable(call):
+            raise UnsupportedError("triton", "pack_gqa needs a mask that ignores query positions")
+        batch, q_len, heads, d = q.shape
+        packed = (batch, q_len * pack, heads // pack, d)
+        call = AttentionCall.from_args(packed, k.shape, v.shape, q.dtype, mask, score_mod)
     cfg = dataclasses.replace(config, pack_gqa=False)
+    d_pad, dv_pad = _padded_dim(call.qk_dim), _padded_dim(call.v_dim)
+    direct = (d_pad, dv_pad) == (call.qk_dim, call.v_dim) and _pow2(pack)
+    direct = direct and cfg.block_q % pack == 0
     q_pad = _round_up(call.q_len, max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
     kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
     mask_ops, mask_kinds, rebuild_mask = _tiles.split(
@@ -733,7 +839,8 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
         raise UnsupportedError("triton", f"at most {_PARAM_LANES} score-mod parameter arrays")
     if param_slots and cfg.backward_pass_impl != "triton_split":
         raise ValueError("score-mod parameter gradients need backward_pass_impl='triton_split'")
-    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots)
+    rows = _Rows(cfg.block_q, call.q_len // pack, pack) if direct else None
+    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots, rows)
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = _flash.tile_ranges(
@@ -746,16 +853,15 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
         dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
     )
 
-    def forward(qp, kp, vp, fwd_ranges, operands):
-        return _forward(st, build, qp, kp, vp, fwd_ranges, operands)
+    def forward(q, k, v, fwd_ranges, operands):
+        return _forward(st, build, q, k, v, fwd_ranges, operands)
 
     def backward(qp, kp, vp, o, lse, do, ranges, operands):
         return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
     return _flash.FlashKernels(
-        forward, backward, ranges, operands, q_pad, kv_pad,
-        _padded_dim(call.qk_dim), _padded_dim(call.v_dim),
-    )  # fmt: skip
+        forward, backward, ranges, operands, q_pad, kv_pad, d_pad, dv_pad, direct, pack
+    )
 
 
 def packable(call: AttentionCall) -> bool:
@@ -764,20 +870,6 @@ def packable(call: AttentionCall) -> bool:
     Nothing may depend on the query position or head: no score mod, masks on key lengths.
     """
     return call.score_mod is None and all(t[0] == "kv_lengths" for t in call.mask_terms)
-
-
-def _packed_gqa(q, k, v, *, mask, scale, config):
-    """Attention with the `groups` query heads of each KV head as extra query rows."""
-    batch, q_len, heads, d = q.shape
-    kv_heads, dv = k.shape[2], v.shape[3]
-    groups = heads // kv_heads
-    rows = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 1, 3, 2, 4)
-    o = flash_attention(
-        rows.reshape(batch, q_len * groups, kv_heads, d), k, v, mask=mask, score_mod=None,
-        scale=scale, config=dataclasses.replace(config, pack_gqa=False),
-    )  # fmt: skip
-    o = o.reshape(batch, q_len, groups, kv_heads, dv).transpose(0, 1, 3, 2, 4)
-    return o.reshape(batch, q_len, heads, dv)
 
 
 _PARAMETRIC = frozenset({"alibi", "head_scale"})
@@ -828,4 +920,5 @@ class TritonAttention:
 
     def blocks(self, q, k, v, *, mask, scale, config: TritonAttentionConfig):
         """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""
+        config = dataclasses.replace(config, pack_gqa=False)  # the halves index query heads
         return kernels(q, k, v, mask=mask, score_mod=None, scale=scale, config=config)
