@@ -30,7 +30,7 @@ HEAD_DIM = 128
 ATOL = 2e-2
 
 
-def _lengths(batch, kv_len, ragged):
+def ragged_lengths(batch, kv_len, ragged):
     if not ragged:
         return None
     share = np.linspace(1.0, 0.25, batch) if batch > 1 else np.array([0.5])
@@ -160,7 +160,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
         k, v = (jax.random.normal(kk, (b, lkv, hk, d), jnp.float32).astype(jnp.bfloat16)
                 for kk in keys[1:3])  # fmt: skip
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
-        lengths = _lengths(b, lkv, ragged)
+        lengths = ragged_lengths(b, lkv, ragged)
         mask = None if lengths is None else masks.KVLengths(lengths[:1])
         expected = reference.attention(
             q[:1], k[:1], v[:1], mask=mask, score_mod=None, scale=d**-0.5, oracle=True

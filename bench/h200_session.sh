@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 5}" in
+case "${1:?stage 1 to 6}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -82,6 +82,20 @@ case "${1:?stage 1 to 5}" in
       auto/1/131072/32 auto/1/131072/8
     suite 280 decode --suite decode --set q_len=1,16 --only "probjax auto" \
       "probjax triton" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
+    ;;
+  6)
+    # Run 32: the merge of split partials as one parallel block per program (run 31's
+    # merged 64-row tiles in 8 programs looping over up to 128 splits), splits capped by
+    # their partials' traffic, one batch element's lengths planned as no lengths. Tests
+    # first (run 31's were cut before their log was written: pytest's own limit now).
+    step 250 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+      timeout 235 bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring"; \
+      grep -E "PASSED|FAILED|ERROR" $OUT/gpu_tests.txt | sed "s/^.*::/::/" | sort | uniq -c; \
+      cat $OUT/failures.txt 2>/dev/null | head -80; tail -3 $OUT/gpu_tests.txt'
+    step 90 ncu bash bench/ncu_decode.sh "$out" auto/1/32768/8:q16 torch-flash/1/32768/8:q16 \
+      auto/1/32768/8:q16:ragged auto/8/131072/32 torch-cudnn/8/131072/32
+    suite 200 decode --suite decode --set q_len=1,16 --only "probjax auto" "jax.nn cudnn" \
+      "torch sdpa cudnn" "torch sdpa flash"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

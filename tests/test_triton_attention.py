@@ -309,9 +309,17 @@ def test_few_query_plan_splits_and_packs():
     # 8 programs (1 batch x 8 KV heads) of 196 KiB shared memory: one per SM, 132 at once;
     # 15 splits fill 91% of one wave.
     assert cfg.num_splits == 15
-    # Per-batch KV lengths ask for >= 4 waves; 256 key tiles allow at most 64 splits of 4.
-    ragged = dataclasses.replace(decode, mask_terms=(("kv_lengths",),))
-    assert triton_attention.default_config(ragged, h200).num_splits == 64
+    # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 19 splits, 4.6 waves.
+    lengths = (("kv_lengths",),)
+    ragged = dataclasses.replace(decode, batch=4, mask_terms=lengths)
+    assert triton_attention.default_config(ragged, h200).num_splits == 19
+    # One batch element's length leaves its programs equal: planned as without lengths.
+    one = dataclasses.replace(decode, mask_terms=lengths)
+    assert triton_attention.default_config(one, h200).num_splits == 15
+    # 16 queries x 4 heads: 64-row tiles, whose float32 partials may cost 1/8 of the
+    # 4 MiB of K/V a head reads: at most 8 splits over 8192 keys.
+    rows = dataclasses.replace(decode, q_len=16, kv_len=8192)
+    assert triton_attention.default_config(rows, h200).num_splits == 8
     # 64 programs at batch 8: 2 splits, 128 of 132 (the H200 sweep's best, run 16).
     batched = dataclasses.replace(decode, batch=8, kv_len=131072)
     assert triton_attention.default_config(batched, h200).num_splits == 2

@@ -196,7 +196,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     step = 16 if itemsize == 4 and d > 128 else bwd
     smem = smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages)
     programs = call.batch * heads * -(-rows // block_q)
-    splits = _split_plan(call, device, programs, block_k, smem)
+    splits = _split_plan(call, device, programs, (block_q, block_k), smem)
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
@@ -220,27 +220,37 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # reads memory at the rate of its few last programs: 320 programs (1.21 waves) read K/V at
 # 3.2 TB/s, 1024 (3.88 waves) at 4.3 TB/s. So a call with few programs takes the fewest
 # splits whose waves are >= `min_efficiency` full, keeping >= `min_tiles` key tiles a
-# split. Per-batch KV lengths make programs unequal: >= `ragged_waves` waves let the
-# scheduler even them out.
+# split. Different per-batch KV lengths make programs unequal: >= `ragged_waves` waves
+# let the scheduler even them out. Each split writes float32 partial outputs that the
+# merge reads back: at most `partial_share` of the K/V bytes it reads (64-row tiles with
+# 128 splits over 16k keys wrote as much as they read, run 31).
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
-                  min_efficiency=0.9, max_splits=256, ragged_waves=4),
+                  min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125),
     "generic": dict(sms=108, programs_per_sm=2, smem_per_sm=164 * 1024, min_tiles=4,
-                    min_efficiency=0.9, max_splits=256, ragged_waves=4),
+                    min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125),
 }  # fmt: skip
 
 
 def split_count(
-    programs: int, kv_tiles: int, rule: dict, *, ragged: bool = False, per_sm: int | None = None
+    programs: int,
+    kv_tiles: int,
+    rule: dict,
+    *,
+    ragged: bool = False,
+    per_sm: int | None = None,
+    most: int | None = None,
 ) -> int:
     """Splits of the key axis for a grid of `programs` (see `SPLIT_KV_RULES`).
 
-    `per_sm`: resident programs per SM, when fewer than the rule's `programs_per_sm`.
+    `per_sm`: resident programs per SM, when fewer than the rule's `programs_per_sm`;
+    `most`: a cap on the splits below the rule's.
     """
     capacity = rule["sms"] * (rule["programs_per_sm"] if per_sm is None else per_sm)
     if programs >= 2 * capacity:
         return 1  # many programs: the last wave is a small part of the time
-    most = max(1, min(rule["max_splits"], kv_tiles // rule["min_tiles"]))
+    most = min(rule["max_splits"], kv_tiles // rule["min_tiles"], most or rule["max_splits"])
+    most = max(1, most)
     min_waves = rule["ragged_waves"] if ragged else 0
 
     def efficiency(splits):
@@ -263,13 +273,22 @@ def _query_rows(call: AttentionCall) -> tuple[bool, int, int]:
     return False, call.q_len, call.q_heads
 
 
-def _split_plan(call: AttentionCall, device: DeviceInfo, programs: int, block_k: int, smem: int):
-    """`num_splits` for a forward grid of `programs` using `smem` bytes each."""
+def _split_plan(call: AttentionCall, device: DeviceInfo, programs: int, tiles, smem: int):
+    """`num_splits` for a forward grid of `programs` (`SPLIT_KV_RULES`).
+
+    Each program holds `tiles` `(block_q, block_k)` and `smem` bytes of shared memory.
+    """
     rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+    block_q, block_k = tiles
     per_sm = int(max(1, min(rule["programs_per_sm"], rule["smem_per_sm"] // smem)))
-    ragged = any(t[0] == "kv_lengths" for t in call.mask_terms)
+    # One batch element's lengths leave its programs equal.
+    ragged = call.batch > 1 and any(t[0] == "kv_lengths" for t in call.mask_terms)
+    itemsize = 4 if call.dtype == "float32" else 2
+    kv_bytes = call.kv_len * (call.qk_dim + call.v_dim) * itemsize
+    partial_bytes = 8 * block_q * call.v_dim  # float32, written and read back
+    most = int(rule["partial_share"] * kv_bytes // partial_bytes)
     kv_tiles = -(-call.kv_len // block_k)
-    return split_count(programs, kv_tiles, rule, ragged=ragged, per_sm=per_sm)
+    return split_count(programs, kv_tiles, rule, ragged=ragged, per_sm=per_sm, most=most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,11 +341,15 @@ class _Rows:
     def unview(self, x):
         return x if self.pack == 1 else x.reshape(*x.shape[:2], -1, x.shape[-1])
 
-    def spec(self, c: int, tile_of):
+    def spec(self, c: int, tile_of, col_of=lambda t: 0):
+        """Blocks of `c` columns: tile `tile_of(t)`, column block `col_of(t)`."""
         if self.pack == 1:
-            return pl.BlockSpec((None, self.block, None, c), lambda t, h, b: (b, tile_of(t), h, 0))
+            return pl.BlockSpec(
+                (None, self.block, None, c), lambda t, h, b: (b, tile_of(t), h, col_of(t))
+            )
         return pl.BlockSpec(
-            (None, self.positions, None, self.pack, c), lambda t, h, b: (b, tile_of(t), h, 0, 0)
+            (None, self.positions, None, self.pack, c),
+            lambda t, h, b: (b, tile_of(t), h, 0, col_of(t)),
         )
 
     def _mask(self, tile):
@@ -642,29 +665,32 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows):
-    """One (query tile, head, batch) of `merge_splits`: an online softmax over splits."""
+def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns):
+    """One block of `merge_splits`: every split of `rows.block` rows x some columns at once.
 
-    def body(split, carry):
-        acc, m, total = carry
-        part = lse_ref[split, :]
-        m_new = jnp.maximum(m, part)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no split with keys yet
-        alpha, weight = jnp.exp2(m - m_safe), jnp.exp2(part - m_safe)
-        acc = acc * alpha[:, None] + o_ref[split, :, :] * weight[:, None]
-        return acc, m_new, total * alpha + weight
-
-    splits, block, dv = o_ref.shape
-    init = (
-        jnp.zeros((block, dv), jnp.float32),
-        jnp.full((block,), -jnp.inf, jnp.float32),
-        jnp.zeros((block,), jnp.float32),
-    )
-    acc, m, total = jax.lax.fori_loop(0, splits, body, init)
+    The splits are a block axis (padded to a power of two, masked): one load each of the
+    log-sum-exps and the partial outputs, all in flight together, where a loop over the
+    splits would wait on one load after another.
+    """
+    keep = jnp.arange(lse_ref.shape[0], dtype=jnp.int32) < splits
+    lse = plt.load(lse_ref, mask=keep[:, None], other=jnp.float32(-jnp.inf))  # [S, rows]
+    m = jnp.max(lse, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # no split saw a key
+    weight = jnp.exp2(lse - m_safe[None, :])
+    total = jnp.sum(weight, axis=0)
+    o = plt.load(o_ref, mask=keep[:, None, None], other=jnp.float32(0.0))  # [S, rows, cols]
+    acc = jnp.sum(o * weight[:, :, None], axis=0)
     empty = total == 0.0
     safe = jnp.where(empty, 1.0, total)
-    rows.store(out_ref, acc / safe[:, None], pl.program_id(0))
-    out_lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(safe))
+    tile = pl.program_id(0) // columns
+    rows.store(out_ref, acc / safe[:, None], tile)
+    out_lse_ref[...] = jnp.where(
+        empty, jnp.inf, m + jnp.log2(safe)
+    )  # the same in every column block
+
+
+_MERGE_ROWS = 16
+_MERGE_BYTES = 32 * 1024  # float32 partials one merge program holds at once
 
 
 def merge_splits(o, lse, dtype, config: TritonAttentionConfig, *, rows: "_Rows | None" = None):
@@ -674,25 +700,42 @@ def merge_splits(o, lse, dtype, config: TritonAttentionConfig, *, rows: "_Rows |
     `[splits, b, h, q]`, -inf where a split saw no key. Returns `o` in `dtype` and `lse`
     `[b, h, q]` (+inf on rows no split saw a key of); `o` is `[b, q, h, dv]`, or with
     `rows` the caller's output (`_Rows`). One kernel instead of XLA's reductions and
-    transposes: at decode sizes each launch costs more than the data it moves.
+    transposes (at decode sizes each launch costs more than the data it moves), its
+    programs small blocks of rows and columns so that many SMs share the reading.
     """
     splits, batch, q_pad, heads, dv = o.shape
-    bq = config.block_q
-    rows = rows or _Rows(bq, q_pad, 1)
-    out_shape = (batch, rows.q_len, heads * rows.pack, dv)
+    pack = 1 if rows is None else rows.pack
+    block = min(config.block_q, max(_MERGE_ROWS, pack))
+    rows = _Rows(block, q_pad if rows is None else rows.q_len, pack)
+    s_pad = 1 << (splits - 1).bit_length()
+    fits = max(1, _MERGE_BYTES // (4 * s_pad * block))  # columns, to a power of two below
+    cols = min(dv, 1 << (fits.bit_length() - 1))
+    columns = dv // cols
+
+    def tile_of(t):
+        return t // columns
+
+    def col_of(t):
+        return t % columns
+
     out, out_lse = pl.pallas_call(
-        functools.partial(_merge_kernel, rows=rows),
-        grid=(q_pad // bq, heads, batch),
+        functools.partial(_merge_kernel, rows=rows, splits=splits, columns=columns),
+        grid=(q_pad // block * columns, heads, batch),
         in_specs=[
-            pl.BlockSpec((splits, None, bq, None, dv), lambda t, h, b: (0, b, t, h, 0)),
-            pl.BlockSpec((splits, None, None, bq), lambda t, h, b: (0, b, h, t)),
+            pl.BlockSpec(
+                (s_pad, None, block, None, cols), lambda t, h, b: (0, b, tile_of(t), h, col_of(t))
+            ),
+            pl.BlockSpec((s_pad, None, None, block), lambda t, h, b: (0, b, h, tile_of(t))),
         ],
-        out_specs=[rows.spec(dv, _same), pl.BlockSpec((None, None, bq), lambda t, h, b: (b, h, t))],
+        out_specs=[
+            rows.spec(cols, tile_of, col_of),
+            pl.BlockSpec((None, None, block), lambda t, h, b: (b, h, tile_of(t))),
+        ],
         out_shape=[
-            jax.ShapeDtypeStruct(rows.view_shape(out_shape), dtype),
+            jax.ShapeDtypeStruct(rows.view_shape((batch, rows.q_len, heads * pack, dv)), dtype),
             jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32),
         ],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=config.interpret,
         name="probjax_attention_triton_merge_splits",
     )(o, lse)
