@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 6}" in
+case "${1:?stage 1 to 7}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -96,6 +96,17 @@ case "${1:?stage 1 to 6}" in
       auto/1/32768/8:q16:ragged auto/8/131072/32 torch-cudnn/8/131072/32
     suite 200 decode --suite decode --set q_len=1,16 --only "probjax auto" "jax.nn cudnn" \
       "torch sdpa cudnn" "torch sdpa flash"
+    ;;
+  7)
+    # Run 33: the decode gaps at 8k keys, batch 1 (0.73-0.87x torch cuDNN, run 32): tiles
+    # x splits there; T=1024 training beside its peers (the report's oldest gaps, run 1);
+    # then where the 1M-token MoE's time goes (Mosaic's train step 0.93x fused_gsum).
+    step 150 sweep_decode python3 -m bench.sweep_decode --out "$out/sweep_decode.json" \
+      --shape 1,8192,8 1,8192,32 1,32768,8 --programs 32 64 132 264
+    suite 150 attention1k --suite attention --seq 1024 --set head_dim=64,128 \
+      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn" "jax.nn cudnn"
+    step 200 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
+      --tokens 1048576 --dispatch fused_gsum mosaic
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -28,10 +28,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--passes", type=int, default=2, help="times each config runs (noise)")
+    parser.add_argument("--shape", nargs="+", metavar="B,KV_LEN,KV_HEADS", help="not SHAPES")
+    parser.add_argument("--programs", nargs="+", type=int, default=PROGRAMS)
     args = parser.parse_args()
+    shapes = [tuple(map(int, s.split(","))) for s in args.shape] if args.shape else SHAPES
     warm_up_device()
     writer = RowWriter(args.out)
-    for batch, kv_len, kv_heads in SHAPES:
+    for batch, kv_len, kv_heads in shapes:
         keys = jax.random.split(jax.random.key(batch), 3)
         q = jax.random.normal(keys[0], (batch, 1, HEADS, HEAD_DIM), jnp.bfloat16)
         k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, HEAD_DIM), jnp.bfloat16)
@@ -49,7 +52,7 @@ def main():
         ]
         seen = set()
         for block_k, warps, stages in TILES:
-            for programs in PROGRAMS:
+            for programs in args.programs:
                 splits = max(1, programs // (batch * kv_heads))
                 if kv_len // block_k < splits or (block_k, warps, stages, splits) in seen:
                     continue
