@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 7}" in
+case "${1:?stage 1 to 8}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -107,6 +107,19 @@ case "${1:?stage 1 to 7}" in
       --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn" "jax.nn cudnn"
     step 200 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
       --tokens 1048576 --dispatch fused_gsum mosaic
+    ;;
+  8)
+    # Not yet run: the Mosaic MoE's second matmul and combine under one VJP
+    # (padded_matmul_combine: no [rows, d_model] products kept or re-read for the router
+    # weights' gradient; run 34 put 24 ms of the 1M-token layer's backward outside its
+    # matmuls). Its GPU tests, then the profile and the suite at 1M tokens.
+    step 120 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
+      timeout 110 bash bench/gpu_tests.sh -k "moe_dispatch_matches or auto_forward_is_mosaic"; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+      tail -3 $OUT/gpu_tests.txt'
+    step 120 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
+      --tokens 1048576 --dispatch mosaic fused_gsum --repeats 10
+    suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

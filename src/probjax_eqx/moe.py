@@ -756,8 +756,9 @@ class MoE(eqx.Module):
         h = swiglu(triton_gmm.padded_matmul(xs_p, w13_p, lay, kernels), d_ff)
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
-        ys = triton_gmm.padded_matmul(h_p, w_down_p, lay, kernels)[:, :d_model]
-        return combine_rows(ys, slots_p, rows, scale)
+        return triton_gmm.padded_matmul_combine(
+            h_p, w_down_p, scale, lay, kernels, slots=slots_p, rows=rows, cols=d_model
+        )
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, config = x.shape[0], choice.config
