@@ -1,12 +1,14 @@
 """MoE and the grouped matmul against dense float32 oracles; Triton kernels in interpret mode."""
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from _check import all_eqns, float_row_scatters
 from _tolerance import assert_close
@@ -457,6 +459,20 @@ def test_moe_mosaic_dispatch_matches_dense_oracle(getkey):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         scale = float(jnp.max(jnp.abs(b)))  # parameter gradients sum over tokens
         assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
+
+
+def test_mosaic_moe_backward_keeps_three_row_arrays(getkey, capsys):
+    """The training residuals over the (token, slot) rows: the gathered tokens, the first
+    product (gate | up) and the SwiGLU output; no expert outputs (the router weights'
+    gradient comes from the second matmul's inputs) nor SwiGLU intermediates."""
+    moe = make_moe(getkey(), "mosaic", top_k=2, compute_dtype="bfloat16")
+    x = jax.random.normal(getkey(), (19, 16))
+    params, static = eqx.partition(moe, eqx.is_array)
+    loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x)[0])  # noqa: E731
+    print_saved_residuals(loss, params, x)
+    shapes = re.findall(r"\w+\[(\d+),(\d+)\]", capsys.readouterr().out)
+    rows = [s for s in shapes if int(s[0]) > 19 * 2]  # the padded layout's rows
+    assert len(rows) == 3, rows
 
 
 def test_dropless_under_skewed_routing(getkey):

@@ -533,9 +533,33 @@ def _init(key, shape, fan_in, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def swiglu(h13, d_ff: int):
-    """`silu(gate) * up` of rows holding the gate then the up projection (then padding)."""
+    """`silu(gate) * up` of rows holding the gate then the up projection (then padding).
+
+    Its backward keeps `h13` alone and recomputes the sigmoid: autodiff of the expression
+    kept five `[rows, d_ff]` arrays (the slices and silu's intermediates), 10 GB at 1M
+    tokens x top-8 where `h13` is 4.
+    """
     return jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff : 2 * d_ff]
+
+
+def _swiglu_fwd(h13, d_ff: int):
+    return swiglu(h13, d_ff), h13
+
+
+def _swiglu_bwd(d_ff: int, h13, dout):
+    gate = h13[:, :d_ff].astype(jnp.float32)
+    up = h13[:, d_ff : 2 * d_ff].astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    dout = dout.astype(jnp.float32)
+    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))  # d silu(g) / dg
+    dup = dout * gate * sig
+    pad = jnp.zeros((h13.shape[0], h13.shape[1] - 2 * d_ff), jnp.float32)
+    return (jnp.concatenate([dgate, dup, pad], axis=1).astype(h13.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
