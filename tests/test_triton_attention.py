@@ -185,6 +185,21 @@ def test_wide_float32_backward_steps_16_rows():
         assert got == tiles, (dtype, d, cfg)
 
 
+@pytest.mark.parametrize(
+    "q_len, kv_len, block_q, block_k", [(1, 1000, 16, 64), (40, 100, 16, 16), (50, 10, 32, 16)]
+)
+def test_unmasked_ranges_in_kernel_match_block_ranges(q_len, kv_len, block_q, block_k):
+    """Without a mask the forward computes its tile ranges (no range arrays to launch)."""
+    ctx = masks.MaskContext(2, q_len, kv_len)
+    q_pad, kv_pad = -(-q_len // 64) * 64, -(-kv_len // 64) * 64
+    want = _tiles.block_ranges(ctx, None, q_pad, kv_pad, program_block=block_q, loop_block=block_k)
+    for tile in range(q_pad // block_q):
+        got = _tiles.unmasked_kv_ranges(
+            ctx, jnp.int32(tile), program_block=block_q, loop_block=block_k
+        )
+        assert [int(g) for g in got] == [int(w[1, tile]) for w in want], tile
+
+
 def test_causal_skips_tiles_and_mask_work():
     ctx = masks.MaskContext(1, 64, 64)
     lo, full_lo, full_hi, hi = _tiles.block_ranges(

@@ -153,6 +153,20 @@ def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int):
     return operands, kinds, rebuild
 
 
+def unmasked_kv_ranges(ctx: masks.MaskContext, tile, *, program_block: int, loop_block: int):
+    """`block_ranges`' entries for query tile `tile` without a mask, computed in a kernel.
+
+    Passed as arrays, these constants cost launches: XLA turns each uniform one into a
+    broadcast fusion (two per decode step at batch 8, run 31).
+    """
+    hi = -(-ctx.kv_len // loop_block)
+    full_hi = ctx.kv_len // loop_block
+    full_lo, full_hi = (0, full_hi) if full_hi > 0 else (hi, hi)
+    # A product, not `jnp.where`: Triton rejects the select of two literals (i1 vs i32).
+    live = (tile * program_block < ctx.q_len).astype(jnp.int32)
+    return tuple(live * v for v in (0, full_lo, full_hi, hi))
+
+
 def block_ranges(
     ctx: masks.MaskContext,
     mask,

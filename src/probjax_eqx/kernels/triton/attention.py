@@ -304,6 +304,7 @@ class _Static:
     n_mask_ops: int
     param_slots: tuple[int, ...] = ()  # float per-head operands: their gradients are computed
     rows: "_Rows | None" = None  # the forward's query rows, when it reads the caller's q
+    unmasked: bool = False  # no mask: the forward computes its tile ranges itself
 
     @property
     def ctx(self) -> MaskContext:
@@ -418,7 +419,7 @@ def _load_operands(refs, kinds, *, q_tile, kv_tile):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
-    range_refs, refs = refs[:4], refs[4:]
+    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
     op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
     t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = st.config.num_splits
@@ -435,7 +436,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         return plt.load(ref.at[pl.ds(start, bk), :], mask=keep, other=jnp.zeros((), ref.dtype))
 
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    ranges = tuple(ref[()] for ref in range_refs)
+    if st.unmasked:
+        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
+    else:
+        ranges = tuple(ref[()] for ref in range_refs)
     if splits > 1:
         # This program's share of the tiles its row tile visits, split evenly: with
         # per-batch KV lengths every split of a short row still gets work.
@@ -617,7 +621,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         rows.spec(d, tile_of),
         pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
         pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
-        *_range_specs(tile_of),
+        *([] if st.unmasked else _range_specs(tile_of)),
         *_operand_specs(
             st.kinds,
             seq_role="q_pos",
@@ -659,7 +663,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="probjax_attention_triton_fwd" if n == 1 else "probjax_attention_triton_fwd_split",
-    )(rows.view(q), k, v, *fwd_ranges, *operands)
+    )(rows.view(q), k, v, *(() if st.unmasked else fwd_ranges), *operands)
     if n == 1:
         return rows.unview(outs[0]), outs[1]
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
@@ -883,7 +887,9 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     if param_slots and cfg.backward_pass_impl != "triton_split":
         raise ValueError("score-mod parameter gradients need backward_pass_impl='triton_split'")
     rows = _Rows(cfg.block_q, call.q_len // pack, pack) if direct else None
-    st = _Static(call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots, rows)
+    st = _Static(
+        call, cfg, scale, q_pad, kv_pad, kinds, len(mask_ops), param_slots, rows, mask is None
+    )
     build = _rebuilders(st, rebuild_mask, rebuild_mod)
     operands = tuple(mask_ops + mod_ops)
     ranges = _flash.tile_ranges(
