@@ -120,6 +120,8 @@ case "${1:?stage 1 to 8}" in
     step 120 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
       --tokens 1048576 --dispatch mosaic fused_gsum --repeats 10
     suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
+    # Decode without range arrays (run 31 still had two broadcast launches at batch 8).
+    step 40 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
