@@ -10,9 +10,11 @@ Masks and score mods run inside the kernels through `kernels._tiles`; the key (q
 tiles each program visits come from the mask's `kv_range` (`q_range`), computed per
 (batch element, tile) in the wrapper, so tiles a mask empties are neither loaded nor
 computed. GQA reads the KV head `h // groups` through the index maps (no repetition in
-memory); dK/dV are produced per query head and summed over each group. Lengths and head
-dims that are not tile multiples are padded and masked exactly. Rows without a valid key
-give zeros (their log-sum-exp is stored as +inf, so the backward sees p = 0).
+memory); dK/dV are produced per query head and summed over each group. With
+power-of-two head dims the forward reads the caller's q, k, v in place (masked loads of
+partial tiles, masked stores of o); otherwise, and for the backward, lengths and head
+dims that are not tile multiples are padded. Rows without a valid key give zeros (their
+log-sum-exp is stored as +inf, so the backward sees p = 0).
 """
 
 import dataclasses
