@@ -122,6 +122,8 @@ case "${1:?stage 1 to 8}" in
     suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
     # Decode without range arrays (run 31 still had two broadcast launches at batch 8).
     step 40 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8
+    # MLA beside MHA at every T in one run (#7: T 1024 1.22x in run 18; 16384 cross-run).
+    suite 150 sequence_mla --suite sequence --only "mla auto" "mha auto"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
