@@ -361,6 +361,16 @@ def padded_matmul(lhs_p, rhs_p, lay: Layout, kernels: PaddedKernels):
     return run(lhs_p, rhs_p, lay)
 
 
+def weighted_rows_vjp(lhs, u, scale):
+    """`(d lhs, d scale)` of rows `scale[r] * (lhs[r] @ W)`, given `u[r] = dout[r] @ W^T`.
+
+    The weights' gradient `<lhs[r] @ W, dout[r]>` is `<lhs[r], u[r]>`: no product rows.
+    """
+    u = u.astype(jnp.float32)
+    dlhs = (u * scale.astype(jnp.float32)[:, None]).astype(lhs.dtype)
+    return dlhs, jnp.sum(lhs.astype(jnp.float32) * u, axis=-1)
+
+
 def padded_matmul_combine(lhs_p, rhs_p, scale, lay: Layout, kernels: PaddedKernels, *,
                           slots, rows, cols: int):  # fmt: skip
     """`out[t] = sum_k scale[r] * (lhs_p @ rhs_p[g])[r, :cols]`, `r = slots[t, k]`, float32.
@@ -386,12 +396,10 @@ def padded_matmul_combine(lhs_p, rhs_p, scale, lay: Layout, kernels: PaddedKerne
         dtype = lhs_p.dtype
         per_row = copy_to_rows(dout.astype(dtype), rows, slots)  # padding rows: zeros
         per_row = jnp.pad(per_row, ((0, 0), (0, rhs_p.shape[2] - cols)))
-        u = kernels.matmul_t(per_row, rhs_p, lay).astype(jnp.float32)
-        weight = scale.astype(jnp.float32)[:, None]
-        dlhs = (u * weight).astype(dtype)
-        dscale = jnp.sum(lhs_p.astype(jnp.float32) * u, axis=-1).astype(scale.dtype)
-        drhs = kernels.transposed((lhs_p.astype(jnp.float32) * weight).astype(dtype), per_row, lay)
-        return dlhs, drhs.astype(rhs_p.dtype), dscale, None, None, None
+        dlhs, dscale = weighted_rows_vjp(lhs_p, kernels.matmul_t(per_row, rhs_p, lay), scale)
+        weighted = (lhs_p.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]).astype(dtype)
+        drhs = kernels.transposed(weighted, per_row, lay)
+        return dlhs, drhs.astype(rhs_p.dtype), dscale.astype(scale.dtype), None, None, None
 
     run.defvjp(run_fwd, run_bwd)
     return run(lhs_p, rhs_p, scale, lay, slots, rows)
@@ -582,8 +590,7 @@ def matmul_scatter(h, rhs, scale, lay: Layout, tokens, n_tokens: int, *, config)
         dout = with_spare_row(dout.astype(h_p.dtype), dout.shape[1])
         # g[r] = dout[tokens[r]] @ rhs[g]^T, gathered inside the kernel.
         g = _matmul(dout, rhs_p, lay, cfg, transpose_rhs=True, tokens=tokens, gather=True)
-        dh = (g.astype(jnp.float32) * scale[:, None]).astype(h_p.dtype)
-        dscale = jnp.sum(h_p.astype(jnp.float32) * g.astype(jnp.float32), axis=1)
+        dh, dscale = weighted_rows_vjp(h_p, g, scale)
         dscale = jnp.where(lay.row_valid, dscale, 0.0)
         dw = _transposed_matmul(h_p, dout, lay, groups, cfg, tokens=tokens, gather="b", scale=scale)
         return dh, dw.astype(rhs_p.dtype), dscale.astype(scale.dtype), None, None
