@@ -340,6 +340,7 @@ def test_few_query_plan_splits_and_packs():
     assert triton_attention.default_config(batched, h200).num_splits == 2
     rule = triton_attention.SPLIT_KV_RULES["sm_90"]
     assert triton_attention.split_count(8, 2048, rule, per_sm=1) == 15
+    assert triton_attention.split_count(8, 2048, rule, most=0) == 1  # partials cost too much
     assert triton_attention.split_count(64, 2048, rule) == 4  # 256 of 264: one wave
     assert triton_attention.split_count(320, 2048, rule) == 3  # 1.21 waves -> 3.64
     assert triton_attention.split_count(8, 8, rule) == 2  # >= 4 key tiles a split

@@ -251,8 +251,8 @@ def split_count(
     capacity = rule["sms"] * (rule["programs_per_sm"] if per_sm is None else per_sm)
     if programs >= 2 * capacity:
         return 1  # many programs: the last wave is a small part of the time
-    most = min(rule["max_splits"], kv_tiles // rule["min_tiles"], most or rule["max_splits"])
-    most = max(1, most)
+    cap = rule["max_splits"] if most is None else most
+    most = max(1, min(rule["max_splits"], kv_tiles // rule["min_tiles"], cap))
     min_waves = rule["ragged_waves"] if ragged else 0
 
     def efficiency(splits):
