@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 8}" in
+case "${1:?stage 1 to 9}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -120,6 +120,8 @@ case "${1:?stage 1 to 8}" in
     step 120 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
       --tokens 1048576 --dispatch mosaic fused_gsum --repeats 10
     suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
+    ;;
+  9)
     # Decode without range arrays (run 31 still had two broadcast launches at batch 8).
     step 40 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8
     # MLA beside MHA at every T in one run (#7: T 1024 1.22x in run 18; 16384 cross-run).
