@@ -46,35 +46,61 @@ def test_moe_dispatch_matches_xla(getkey, dispatch):
     assert_close(y, y_ref, jnp.bfloat16)
 
 
-def test_auto_forward_is_mosaic_and_train_step_fused_gsum(getkey):
-    # sm_90, 16-bit compute: outside differentiation Mosaic's forward, under it
-    # fused_gsum's forward and VJP; float32 compute leaves Mosaic out.
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", None])
+def test_auto_runs_mosaic_for_16_bit_compute_else_fused_gsum(getkey, compute_dtype):
+    # sm_90: Mosaic on the sorted rows for 16-bit compute, forward and backward; for
+    # float32 compute the fused gather / scatter (Triton), with Mosaic's refusal named.
     key = getkey()
 
-    def make(d, compute_dtype="bfloat16"):
+    def make(d):
         return MoE(512, 1024, num_experts=16, top_k=4, dispatch=d, compute_dtype=compute_dtype,
                    key=key)  # fmt: skip
 
-    auto = make("auto")
-    assert (auto.dispatch_mode, auto.inference_mode) == ("fused_gsum", "mosaic")
+    auto, dtype = make("auto"), jnp.dtype(compute_dtype or jnp.float32)
     x = jax.random.normal(getkey(), (4096, 512))
-    assert auto.explain_inference(x).kernel == "mosaic"
-    assert make("auto", None).explain_inference(x) is None
+    choice = auto.explain(x)
+    if compute_dtype is None:
+        assert (choice.kernel, auto.dispatch_mode) == ("triton", "fused_gsum")
+        assert "16-bit operands" in dict(choice.rejected)["mosaic"]
+    else:
+        assert choice.kernel == "mosaic"
+    assert auto.explain_inference(x) is None  # one mode, forward and train step
     y, _ = eqx.filter_jit(auto)(x)
-    assert_close(y, eqx.filter_jit(make("mosaic"))(x)[0], jnp.bfloat16)
-    assert_close(y, eqx.filter_jit(make("xla"))(x)[0], jnp.bfloat16)
+    tf32 = True  # float32 dots may run as TF32 on the GPU (either side)
+    assert_close(y, eqx.filter_jit(make("xla"))(x)[0], dtype, tf32=tf32)
     loss = lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32))  # noqa: E731
     got = eqx.filter_jit(eqx.filter_grad(loss))(auto, x)
+    want = eqx.filter_jit(eqx.filter_grad(loss))(make("xla"), x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        assert_close(a / scale, b / scale, dtype, grad=True, tf32=tf32)
+
+
+def test_inference_dispatch_beside_a_fused_gsum_train_step(getkey):
+    # The lean train step (fused_gsum) with Mosaic's forward outside differentiation.
+    key = getkey()
+
+    def make(d, inference=None):
+        return MoE(512, 1024, num_experts=16, top_k=4, dispatch=d, compute_dtype="bfloat16",
+                   inference_dispatch=inference, key=key)  # fmt: skip
+
+    hybrid = make("fused_gsum", "mosaic")
+    x = jax.random.normal(getkey(), (4096, 512))
+    assert hybrid.explain_inference(x).kernel == "mosaic"
+    assert_close(eqx.filter_jit(hybrid)(x)[0], eqx.filter_jit(make("mosaic"))(x)[0],
+                 jnp.bfloat16)  # fmt: skip
+    loss = lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32))  # noqa: E731
+    got = eqx.filter_jit(eqx.filter_grad(loss))(hybrid, x)
     want = eqx.filter_jit(eqx.filter_grad(loss))(make("xla"), x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "mosaic"])
+@pytest.mark.parametrize("dispatch", ["auto", "fused_gsum"])
 def test_vmap_over_moe_on_gpu(getkey, dispatch):
-    # The unbatched module under jax.vmap on the GPU kernels: auto (fused_gsum) and the
-    # Mosaic grouped matmul, against the XLA dispatch of the same weights under vmap.
+    # The unbatched module under jax.vmap on the GPU kernels: auto (Mosaic on sm_90) and
+    # fused_gsum, against the XLA dispatch of the same weights under vmap.
     key = getkey()
 
     def make(d):
@@ -119,8 +145,8 @@ def test_grouped_matmul_past_65535_row_tiles(getkey, impl):
 
 def test_deterministic_flag_gives_identical_reruns():
     # Under XLA's determinism flag (read when XLA starts: a fresh process) the MoE's auto
-    # dispatch and the attention backward avoid float atomics: two train steps agree
-    # bit for bit.
+    # dispatch (Mosaic, else sorted) and the attention backward avoid float atomics: two
+    # train steps agree bit for bit.
     import os
     import subprocess
     import sys
@@ -133,6 +159,7 @@ def test_deterministic_flag_gives_identical_reruns():
                       key=jax.random.key(0))
         assert moe.dispatch_mode == "sorted", moe.dispatch_mode
         x = jax.random.normal(jax.random.key(1), (8192, 256))
+        assert moe.explain(x).kernel == "mosaic"  # no atomics: "auto" keeps it
         q = jax.random.normal(jax.random.key(2), (2, 1024, 8, 64), jnp.bfloat16)
         def loss(m, x, q):
             att = pjx.dot_product_attention(q, q, q, implementation="triton")

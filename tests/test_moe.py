@@ -266,10 +266,22 @@ def test_dispatch_resolution_on_simulated_sm90():
     choice = explain_grouped_matmul(*f32, implementation=pallas)
     assert choice.kernel == "triton"
     assert "16-bit operands" in dict(choice.rejected)["mosaic"]
-    # "auto" is the fused gather / scatter on GPUs (Triton kernels), sorted on the CPU.
+    # "auto" on sm_90: Mosaic for 16-bit compute, else the fused gather / scatter
+    # (Triton), with the reason; sorted on the CPU.
     assert moe_module.auto_dispatch(H200) == "fused_gsum"
     auto = moe_module.resolve_dispatch("auto", device=H200, environ={})
-    assert auto.pinned and auto.priority == ("triton",)
+    assert not auto.pinned and auto.priority == ("mosaic", "triton")
+    assert explain_grouped_matmul(*shapes, implementation=auto).kernel == "mosaic"
+    choice = explain_grouped_matmul(*f32, implementation=auto)
+    assert choice.kernel == "triton" and "16-bit operands" in dict(choice.rejected)["mosaic"]
+    generic = {"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"}  # no sm_90 entry: no Mosaic
+    assert moe_module.resolve_dispatch("auto", device=H200, environ=generic).priority == ("triton",)
+    a100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
+    assert moe_module.resolve_dispatch("auto", device=a100, environ={}).priority == ("triton",)
+    # Where results must repeat bit for bit: Mosaic (no atomics), then the sorted list.
+    strict = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}
+    auto = moe_module.resolve_dispatch("auto", device=H200, environ=strict)
+    assert auto.priority == ("mosaic", "triton", "xla")
     assert moe_module.auto_dispatch(DeviceInfo("cpu", "cpu", None)) == "sorted"
     sorted_gmm = moe_module.resolve_dispatch("sorted", device=H200, environ={})
     assert sorted_gmm.priority == ("triton", "mosaic", "xla")  # measured: in-place Triton first
@@ -315,17 +327,12 @@ def test_forward_or_vjp_runs_the_forward_unless_differentiated():
 
 def test_inference_dispatch_rules():
     rule = moe_module.resolve_inference_dispatch
-    cpu = DeviceInfo("cpu", "cpu", None)
-    # "auto": Mosaic's forward on sm_90 where dispatch="auto" runs fused_gsum, else none.
-    assert rule("auto", "auto", "fused_gsum", H200) == ("mosaic", False)
-    assert rule("auto", "fused_gsum", "fused_gsum", H200) == (None, False)  # pinned dispatch
-    assert rule("auto", "auto", "sorted", H200) == (None, False)  # deterministic ops
-    assert rule("auto", "auto", "sorted", cpu) == (None, False)
-    assert rule(None, "auto", "fused_gsum", H200) == (None, False)
-    assert rule("triton", "auto", "fused_gsum", H200) == ("triton", True)
-    assert rule("fused_gsum", "fused_gsum", "fused_gsum", H200) == (None, True)
-    with pytest.raises(ValueError, match="unknown inference_dispatch='fast'"):
-        rule("fast", "auto", "fused_gsum", H200)
+    assert rule(None, "fused_gsum") is None
+    assert rule("mosaic", "fused_gsum") == "mosaic"
+    assert rule("fused_gsum", "fused_gsum") is None  # the dispatch's own
+    for bad in ("fast", "auto"):
+        with pytest.raises(ValueError, match=f"unknown inference_dispatch='{bad}'"):
+            rule(bad, "fused_gsum")
 
 
 def test_inference_dispatch_forward_and_gradients(getkey):

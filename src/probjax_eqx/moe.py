@@ -13,18 +13,24 @@ own op with a backend registry:
 | `"triton"`     | our Pallas Triton grouped matmul, dLHS and transposed dRHS      |
 | `"mosaic"`     | our Pallas Mosaic GPU (wgmma + TMA) kernels, 16-bit, sm_90      |
 
-`dispatch=` picks the mode: `"auto"` (`AUTO_DISPATCH`: `"fused_gsum"` on GPUs, else
-`"sorted"`), `"sorted"` (the registry's grouped matmul for the device), `"xla"`,
-`"triton"`, `"mosaic"`, `"pallas"` (Mosaic for 16-bit compute on sm_90, else Triton), or
-`"fused_gsum"`, which never forms the `N * K x d_model` copies: the first grouped matmul
-gathers token rows inside the kernel and the second adds each row, scaled by its router
-weight, into its token's output (atomics), in the backward as in the forward.
+`dispatch=` picks the mode: `"auto"` (see below), `"sorted"` (the registry's grouped
+matmul for the device), `"xla"`, `"triton"`, `"mosaic"`, `"pallas"` (Mosaic for 16-bit
+compute on sm_90, else Triton), or `"fused_gsum"`, which never forms the `N * K x d_model`
+copies: the first grouped matmul gathers token rows inside the kernel and the second adds
+each row, scaled by its router weight, into its token's output (atomics), in the backward
+as in the forward.
 
-`inference_dispatch=` picks what a forward outside differentiation runs (inference,
-evaluation); under `jax.grad` the dispatch runs forward and backward. `"auto"`
-(`INFERENCE_DISPATCH`) runs Mosaic's there on sm_90 where `dispatch="auto"`: 1.43-1.47x
-`"fused_gsum"`'s forward at 131k-1M tokens on the H200, whose train step stays the
-fastest and lightest.
+`"auto"` runs the first grouped matmul of its priority list that can compute the call,
+like every automatic backend: on sm_90 Mosaic (16-bit compute) on the sorted rows, else
+`AUTO_DISPATCH`'s mode (`"fused_gsum"` on GPUs, `"sorted"` elsewhere or where results
+must repeat bit for bit). `moe.explain(x)` names the kernel and why the others were
+passed over. H200, bf16 train step: Mosaic 1.16x / 1.19x / 1.35x `"fused_gsum"`'s at
+16k / 131k / 1M tokens (runs 35, 37), with twice its scratch memory (3.5 vs 1.8 GiB at
+131k tokens): `dispatch="fused_gsum"` is the lean choice.
+
+`inference_dispatch=` names a mode for the forward outside differentiation (inference,
+evaluation) where it differs from the train step's; under `jax.grad` the dispatch runs
+forward and backward.
 """
 
 import dataclasses
@@ -358,15 +364,14 @@ _DISPATCH_TO_GMM = {
 }
 
 
-# What `dispatch="auto"` runs, per platform: on GPUs the fused gather / scatter (no top-k
-# copies; the fastest train step measured on the H200 at 16k tokens: 3.06 ms vs 3.71
-# mosaic, 4.13 triton), elsewhere the sorted dispatch on the registry's grouped matmul.
+# The dispatch mode `"auto"` falls back to, per platform, where no grouped matmul of
+# `AUTO_FIRST` can compute a call: on GPUs the fused gather / scatter (no top-k copies;
+# half the sorted dispatch's scratch memory), elsewhere the registry's grouped matmul.
 AUTO_DISPATCH = {"gpu": "fused_gsum", "generic": "sorted"}
-# What `inference_dispatch="auto"` runs outside differentiation, per registry entry, where
-# `dispatch="auto"` runs "fused_gsum". H200: Mosaic's forward 4.21 / 33.1 ms at 131k / 1M
-# tokens vs fused_gsum's 6.04 / 48.5 (runs 24, 25); its train step 12.8 / 105 ms vs 12.3 /
-# 97.8, with twice the scratch memory. Auto so paired: 4.22 / 12.4 ms at 131k (run 27).
-INFERENCE_DISPATCH = {"sm_90": "mosaic"}
+# Grouped matmuls `"auto"` tries first, on the sorted rows, per registry entry. H200, bf16
+# train step at 16k / 131k / 1M tokens: Mosaic 1.397 / 10.02 / 67.96 ms vs fused_gsum
+# 1.625 / 11.90 / 91.71 (runs 35, 37); its forward 3.80 vs 5.70 ms at 131k.
+AUTO_FIRST = {"sm_90": ("mosaic",)}
 # Explicit priority of `"pallas"` on sm_90: Mosaic for 16-bit compute, else Triton.
 _PALLAS_PRIORITY = {"sm_90": ("mosaic", "triton"), "generic": ("triton",)}
 
@@ -392,7 +397,8 @@ def resolve_dispatch(
             f"unknown dispatch={dispatch!r}; expected one of {sorted(_DISPATCH_TO_GMM)}"
         )
     device = current_device(environ, device)
-    if dispatch == "auto":
+    auto = dispatch == "auto"
+    if auto:
         dispatch = auto_dispatch(device)
     if dispatch == "fused_gsum" and device.atomics_vary:
         raise UnsupportedError(
@@ -403,11 +409,18 @@ def resolve_dispatch(
             ),
         )
     requested = _DISPATCH_TO_GMM[dispatch]
-    if requested != "pallas":
+    first = AUTO_FIRST.get(device.registry_key, ()) if auto else ()
+    if requested != "pallas" and not first:
         return resolve("grouped_matmul", requested, device=device, environ=environ)
-    auto = resolve("grouped_matmul", None, device=device, environ=environ)
-    priority = _PALLAS_PRIORITY.get(auto.device.registry_key, _PALLAS_PRIORITY["generic"])
-    return dataclasses.replace(auto, priority=tuple(n for n in priority if n in auto.priority))
+    registry = resolve("grouped_matmul", None, device=device, environ=environ)
+    if requested == "pallas":
+        own = _PALLAS_PRIORITY.get(device.registry_key, _PALLAS_PRIORITY["generic"])
+    else:
+        own = (requested,) if requested else registry.priority
+    # Kernels opted out in the environment stay out, but for the mode's own pinned one.
+    ahead = tuple(n for n in first + own if n in registry.priority or n == requested)
+    priority = tuple(dict.fromkeys(ahead))
+    return dataclasses.replace(registry, priority=priority)
 
 
 def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
@@ -430,28 +443,16 @@ def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
-def resolve_inference_dispatch(
-    request: str | None, dispatch_request: str, dispatch_mode: str, device: DeviceInfo
-) -> tuple[str | None, bool]:
-    """`(mode, pinned)` of a forward outside differentiation.
-
-    `mode` is the dispatch mode it runs (`None`: the dispatch's own); `pinned`, whether
-    the caller named it: a named one that cannot run a call raises, an automatic one
-    steps aside.
-    """
-    if request == "auto":
-        rule = INFERENCE_DISPATCH.get(device.registry_key)
-        if dispatch_request != "auto" or dispatch_mode != "fused_gsum" or rule is None:
-            return None, False
-        return rule, False
+def resolve_inference_dispatch(request: str | None, dispatch_mode: str) -> str | None:
+    """The mode a forward outside differentiation runs; `None`: the dispatch's own."""
     if request is None:
-        return None, False
-    if request not in _DISPATCH_TO_GMM:
+        return None
+    if request not in _DISPATCH_TO_GMM or request == "auto":
         raise ValueError(
             f"unknown inference_dispatch={request!r}; expected None or one of "
-            f"{sorted(_DISPATCH_TO_GMM)}"
+            f"{sorted(set(_DISPATCH_TO_GMM) - {'auto'})}"
         )
-    return (None if request == dispatch_mode else request), True
+    return None if request == dispatch_mode else request
 
 
 def forward_or_vjp(forward, differentiable, *args):
@@ -603,12 +604,11 @@ class MoE(eqx.Module):
     normalize_weights: bool = eqx.field(static=True)
     compute_dtype: str | None = eqx.field(static=True)
     dispatch: Backend = eqx.field(static=True)
-    dispatch_mode: str = eqx.field(static=True)
+    dispatch_mode: str = eqx.field(static=True)  # where `explain(x)` is not Mosaic
     dispatch_request: str = eqx.field(static=True)  # as passed: "auto" may become another
     dispatch_config: object = eqx.field(static=True)
     inference: Backend | None = eqx.field(static=True)
     inference_mode: str | None = eqx.field(static=True)
-    inference_pinned: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -623,7 +623,7 @@ class MoE(eqx.Module):
         compute_dtype: jnp.dtype | str | None = None,
         dispatch: Dispatch = "auto",
         dispatch_config: object = None,
-        inference_dispatch: Dispatch | None = "auto",
+        inference_dispatch: Dispatch | None = None,
         dtype=None,
         key: PRNGKeyArray,
     ):
@@ -641,8 +641,9 @@ class MoE(eqx.Module):
                 `"bfloat16"`); the router stays float32.
             dispatch: see the module docstring.
             dispatch_config: config of a pinned grouped-matmul kernel.
-            inference_dispatch: the mode a forward outside differentiation runs: `"auto"`
-                (`INFERENCE_DISPATCH`), `None` (the dispatch's), or a mode by name.
+            inference_dispatch: the mode a forward outside differentiation runs: `None`
+                (the dispatch's) or a mode by name (e.g. `"mosaic"` beside a
+                `"fused_gsum"` train step).
             dtype: parameter dtype.
             key: PRNG key.
         """
@@ -667,9 +668,7 @@ class MoE(eqx.Module):
         self.dispatch_mode = auto_dispatch(self.dispatch.device) if dispatch == "auto" else dispatch
         self.dispatch_request = dispatch
         self.dispatch_config = dispatch_config
-        self.inference_mode, self.inference_pinned = resolve_inference_dispatch(
-            inference_dispatch, dispatch, self.dispatch_mode, self.dispatch.device
-        )
+        self.inference_mode = resolve_inference_dispatch(inference_dispatch, self.dispatch_mode)
         self.inference = (
             None if self.inference_mode is None else resolve_dispatch(self.inference_mode)
         )
@@ -746,12 +745,12 @@ class MoE(eqx.Module):
         `how` is (mode, grouped-matmul backend, its choice, the config asked for).
         """
         mode, backend, choice, config = how
-        if mode == "fused_gsum":
-            return self._fused_gsum(x, token_of, sorted_weights, group_sizes, choice)
         impl = _IMPLEMENTATIONS[choice.kernel]
         if isinstance(impl, MosaicGroupedMatmul):  # its kernels run on the padded layout
             kernels = impl.kernels(choice.config, self.num_experts)
             return self._padded(x, token_of, slots, sorted_weights, group_sizes, kernels)
+        if mode == "fused_gsum":  # "auto" falls back to it where Mosaic cannot run
+            return self._fused_gsum(x, token_of, sorted_weights, group_sizes, choice)
         gmm = functools.partial(grouped_matmul, implementation=backend, config=config)
         return self._sorted(x, token_of, slots, sorted_weights, group_sizes, gmm)
 
@@ -829,7 +828,11 @@ class MoE(eqx.Module):
         return jax.vmap(shared)(x.astype(dtype)).astype(jnp.float32)
 
     def explain(self, x: Array | jax.ShapeDtypeStruct) -> Choice:
-        """The grouped-matmul `Choice` for the expert matmuls of `x` `[tokens, d_model]`."""
+        """The grouped-matmul `Choice` for the expert matmuls of `x` `[tokens, d_model]`.
+
+        A Mosaic choice runs the sorted rows in its padded layout; any other runs
+        `dispatch_mode`.
+        """
         return explain_grouped_matmul(
             *self._gmm_operands(x), implementation=self.dispatch, config=self.dispatch_config
         )
@@ -845,14 +848,11 @@ class MoE(eqx.Module):
     def explain_inference(self, x: Array | jax.ShapeDtypeStruct) -> Choice | None:
         """The grouped-matmul `Choice` of a forward outside differentiation.
 
-        `None` where that forward is the dispatch's own: no `inference_dispatch`, or an
-        automatic one that cannot run `x` (e.g. Mosaic on float32 compute).
+        `None` where that forward is the dispatch's own (no `inference_dispatch`).
+
+        Raises:
+            UnsupportedError: the named `inference_dispatch` cannot compute `x`.
         """
         if self.inference is None:
             return None
-        try:
-            return explain_grouped_matmul(*self._gmm_operands(x), implementation=self.inference)
-        except UnsupportedError:
-            if self.inference_pinned:
-                raise
-            return None
+        return explain_grouped_matmul(*self._gmm_operands(x), implementation=self.inference)
