@@ -128,14 +128,23 @@ class MLA(eqx.Module):
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.nope_dim + self.rope_dim)
 
-    def _queries(self, x, positions):
-        h = x if self.w_dq is None else _rms(x @ self.w_dq, self.q_norm)
-        q = (h @ self.w_q).reshape(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+    def _down(self, x):
+        """The query input (`W_q x`, or the query latent `W_dq x`) and `W_dkv x`.
+
+        One matmul for both: they read the same `x`, and the gradient of `x` is then one
+        product too (H200, B4 x T1024 fwd+bwd: 0.400 vs 0.421 ms as two).
+        """
+        first = self.w_q if self.w_dq is None else self.w_dq
+        down = x @ jnp.concatenate([first, self.w_dkv], axis=1)
+        return down[:, : first.shape[1]], down[:, first.shape[1] :]
+
+    def _queries(self, hq, positions):
+        q = hq if self.w_dq is None else _rms(hq, self.q_norm) @ self.w_q
+        q = q.reshape(hq.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]
         return q_nope, rope(q_rope, positions, self.rope_theta)
 
-    def _latents(self, x, positions):
-        ckv = x @ self.w_dkv
+    def _latents(self, ckv, positions):
         latent = _rms(ckv[:, : self.kv_lora_rank], self.kv_norm)
         k_rope = rope(ckv[:, None, self.kv_lora_rank :], positions, self.rope_theta)[:, 0]
         return latent, k_rope
@@ -158,18 +167,21 @@ class MLA(eqx.Module):
         seq = x.shape[0]
         mask = masks.Causal() if mask is None else mask
         positions = jnp.arange(seq)
-        q_nope, q_rope = self._queries(x, positions)
-        latent, k_rope = self._latents(x, positions)
-        k_nope = (latent @ self.w_uk).reshape(seq, self.num_heads, self.nope_dim)
+        hq, ckv = self._down(x)
+        q_nope, q_rope = self._queries(hq, positions)
+        latent, k_rope = self._latents(ckv, positions)
+        heads_nope = self.num_heads * self.nope_dim
+        up = latent @ jnp.concatenate([self.w_uk, self.w_uv], axis=1)  # one matmul, as _down
+        k_nope = up[:, :heads_nope].reshape(seq, self.num_heads, self.nope_dim)
         k_rope_h = jnp.broadcast_to(k_rope[:, None], (seq, self.num_heads, self.rope_dim))
         k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-        v = (latent @ self.w_uv).reshape(seq, self.num_heads, self.v_dim)
+        v = up[:, heads_nope:].reshape(seq, self.num_heads, self.v_dim)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         o = self._attend(q, k, v, mask)
         return o.reshape(seq, o.shape[1] * o.shape[2]) @ self.w_o
 
-    def _absorbed_attend(self, x, positions, latent, k_rope, mask):
-        q_nope, q_rope = self._queries(x, positions)
+    def _absorbed_attend(self, hq, positions, latent, k_rope, mask):
+        q_nope, q_rope = self._queries(hq, positions)
         w_uk = self.w_uk.reshape(self.kv_lora_rank, self.num_heads, self.nope_dim)
         q_abs = jnp.einsum("shn,lhn->shl", q_nope, w_uk)  # W_uk folded into the queries
         q = jnp.concatenate([q_abs, q_rope], axis=-1)
@@ -177,16 +189,17 @@ class MLA(eqx.Module):
         o_latent = self._attend(q, k, latent[:, None], mask)  # [seq, heads, kv_lora]
         w_uv = self.w_uv.reshape(self.kv_lora_rank, self.num_heads, self.v_dim)
         o = jnp.einsum("shl,lhv->shv", o_latent, w_uv)
-        return o.reshape(x.shape[0], o.shape[1] * o.shape[2]) @ self.w_o
+        return o.reshape(hq.shape[0], o.shape[1] * o.shape[2]) @ self.w_o
 
     def absorbed(
         self, x: Float[Array, "seq d_model"], *, mask: masks.AbstractMask | None = None
     ) -> Float[Array, "seq d_model"]:
         """Inference path: attention in latent space (equal to `__call__`)."""
         positions = jnp.arange(x.shape[0])
-        latent, k_rope = self._latents(x, positions)
+        hq, ckv = self._down(x)
+        latent, k_rope = self._latents(ckv, positions)
         mask = masks.Causal() if mask is None else mask
-        return self._absorbed_attend(x, positions, latent, k_rope, mask)
+        return self._absorbed_attend(hq, positions, latent, k_rope, mask)
 
     def init_cache(self, max_len: int, dtype=None) -> LatentCache:
         """An empty cache for `max_len` tokens."""
@@ -197,15 +210,15 @@ class MLA(eqx.Module):
             length=jnp.zeros((), jnp.int32),
         )
 
-    def _append(self, x, cache: LatentCache):
-        positions = cache.length + jnp.arange(x.shape[0])
-        latent, k_rope = self._latents(x, positions)
+    def _append(self, ckv, cache: LatentCache):
+        positions = cache.length + jnp.arange(ckv.shape[0])
+        latent, k_rope = self._latents(ckv, positions)
         start = (cache.length, 0)
         update = jax.lax.dynamic_update_slice
         cache = LatentCache(
             latent=update(cache.latent, latent.astype(cache.latent.dtype), start),
             k_rope=update(cache.k_rope, k_rope.astype(cache.k_rope.dtype), start),
-            length=cache.length + x.shape[0],
+            length=cache.length + ckv.shape[0],
         )
         return positions, cache
 
@@ -215,9 +228,10 @@ class MLA(eqx.Module):
         """Fill an empty cache with a prompt; returns the causal outputs and the cache."""
         max_len = cache.latent.shape[0]
         check_prompt_fits(x.shape[0], max_len)
-        positions, cache = self._append(x, cache)
+        hq, ckv = self._down(x)
+        positions, cache = self._append(ckv, cache)
         mask = masks.Causal() & masks.KVLengths(cache.length)
-        out = self._absorbed_attend(x, positions, cache.latent, cache.k_rope, mask)
+        out = self._absorbed_attend(hq, positions, cache.latent, cache.k_rope, mask)
         return nan_past_capacity(out, cache.length, max_len), cache
 
     def decode_step(
@@ -227,7 +241,8 @@ class MLA(eqx.Module):
 
         With the cache full (`max_len` tokens before this one) the output is NaN.
         """
-        positions, cache = self._append(x[None], cache)
+        hq, ckv = self._down(x[None])
+        positions, cache = self._append(ckv, cache)
         mask = masks.KVLengths(cache.length)
-        out = self._absorbed_attend(x[None], positions, cache.latent, cache.k_rope, mask)
+        out = self._absorbed_attend(hq, positions, cache.latent, cache.k_rope, mask)
         return nan_past_capacity(out[0], cache.length, cache.latent.shape[0]), cache
