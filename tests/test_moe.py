@@ -468,17 +468,20 @@ def test_moe_mosaic_dispatch_matches_dense_oracle(getkey):
         assert_close(a / scale, b / scale, jnp.bfloat16, grad=True)
 
 
-def test_mosaic_moe_backward_keeps_three_row_arrays(getkey, capsys):
+@pytest.mark.parametrize("dispatch", ["mosaic", "xla"])
+def test_moe_backward_keeps_three_row_arrays(getkey, capsys, dispatch):
     """The training residuals over the (token, slot) rows: the gathered tokens, the first
     product (gate | up) and the SwiGLU output; no expert outputs (the router weights'
-    gradient comes from the second matmul's inputs) nor SwiGLU intermediates."""
-    moe = make_moe(getkey(), "mosaic", top_k=2, compute_dtype="bfloat16")
+    gradient comes from the second matmul's inputs) nor SwiGLU intermediates. Mosaic's
+    rows are its padded layout's; the sorted dispatch's (here on XLA) are 19 x 2."""
+    moe = make_moe(getkey(), dispatch, top_k=2, compute_dtype="bfloat16")
     x = jax.random.normal(getkey(), (19, 16))
     params, static = eqx.partition(moe, eqx.is_array)
     loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x)[0])  # noqa: E731
     print_saved_residuals(loss, params, x)
-    shapes = re.findall(r"\w+\[(\d+),(\d+)\]", capsys.readouterr().out)
-    rows = [s for s in shapes if int(s[0]) > 19 * 2]  # the padded layout's rows
+    shapes = re.findall(r"(?:bf16|f32)\[(\d+),(\d+)\]", capsys.readouterr().out)
+    padded = dispatch == "mosaic"
+    rows = [s for s in shapes if (int(s[0]) > 38 if padded else int(s[0]) == 38)]
     assert len(rows) == 3, rows
 
 

@@ -567,6 +567,35 @@ def _swiglu_bwd(d_ff: int, h13, dout):
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def matmul_combine(lhs, rhs, group_sizes, scale, slots, rows, *, gmm):
+    """`combine_rows(gmm(lhs, rhs, group_sizes), slots, rows, scale)`: float32 `[tokens, N]`.
+
+    The sorted dispatch's second grouped matmul and its router-weighted combine under one
+    custom VJP, as `padded_matmul_combine` does for Mosaic's layout: the backward gathers
+    the cotangent's rows once and takes `u = dout_r @ rhs^T` from `gmm`'s own VJP, so the
+    weights' gradient is `<lhs_r, u_r>` and the `[rows, N]` products are not kept.
+    """
+
+    @jax.custom_vjp
+    def run(lhs, rhs, scale, group_sizes, slots, rows):
+        return combine_rows(gmm(lhs, rhs, group_sizes), slots, rows, scale)
+
+    def run_fwd(*args):
+        return run(*args), args
+
+    def run_bwd(residuals, dout):
+        lhs, rhs, scale, group_sizes, slots, rows = residuals
+        per_row = copy_to_rows(dout.astype(lhs.dtype), rows, slots)
+        _, pull_lhs = jax.vjp(lambda a: gmm(a, rhs, group_sizes), lhs)
+        dlhs, dscale = triton_gmm.weighted_rows_vjp(lhs, pull_lhs(per_row)[0], scale)
+        weighted = (lhs.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]).astype(lhs.dtype)
+        _, pull_rhs = jax.vjp(lambda b: gmm(weighted, b, group_sizes), rhs)
+        return dlhs, pull_rhs(per_row)[0], dscale.astype(scale.dtype), None, None, None
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(lhs, rhs, scale, group_sizes, slots, rows)
+
+
 def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
     """`(layout, token, weight)` of the sorted (token, slot) pairs in the padded layout.
 
@@ -763,8 +792,8 @@ class MoE(eqx.Module):
         xs = copy_to_rows(x, token_of, slots)
         h13 = gmm(xs, self.gate_up_weights(x.dtype), group_sizes)
         h = swiglu(h13, self.w_gate.shape[2])
-        ys = gmm(h, self.w_down.astype(x.dtype), group_sizes)
-        return combine_rows(ys, slots, token_of, sorted_weights)
+        w_down = self.w_down.astype(x.dtype)
+        return matmul_combine(h, w_down, group_sizes, sorted_weights, slots, token_of, gmm=gmm)
 
     def _padded(self, x, token_of, slots, sorted_weights, group_sizes, kernels):
         """The sorted dispatch with the copies gathered once into the kernels' padded layout.
