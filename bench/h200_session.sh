@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 9}" in
+case "${1:?stage 1 to 10}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -109,10 +109,10 @@ case "${1:?stage 1 to 9}" in
       --tokens 1048576 --dispatch fused_gsum mosaic
     ;;
   8)
-    # Not yet run: the Mosaic MoE's second matmul and combine under one VJP
+    # Run 35: the Mosaic MoE's second matmul and combine under one VJP
     # (padded_matmul_combine: no [rows, d_model] products kept or re-read for the router
     # weights' gradient; run 34 put 24 ms of the 1M-token layer's backward outside its
-    # matmuls). Its GPU tests, then the profile and the suite at 1M tokens.
+    # matmuls). Its GPU tests, then the profile and the suite at 1M tokens: 67.96 ms.
     step 120 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
       timeout 110 bash bench/gpu_tests.sh -k "moe_dispatch_matches or auto_forward_is_mosaic"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
@@ -122,10 +122,26 @@ case "${1:?stage 1 to 9}" in
     suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
     ;;
   9)
-    # Decode without range arrays (run 31 still had two broadcast launches at batch 8).
+    # Run 36. Decode without range arrays (run 31 still had two broadcast launches at batch 8).
     step 40 decode_hlo python3 -m bench.profile_decode --hlo auto/8/131072/8
     # MLA beside MHA at every T in one run (#7: T 1024 1.22x in run 18; 16384 cross-run).
     suite 150 sequence_mla --suite sequence --only "mla auto" "mha auto"
+    ;;
+  10)
+    # Not yet run: the sorted dispatch's second matmul and combine under one VJP
+    # (matmul_combine, session 14): its GPU tests, then triton / xla beside run 42's
+    # (131k: 12.82 / 13.95 ms train step; 1M: 99.96 / 103.6).
+    step 200 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
+      timeout 190 bash bench/gpu_tests.sh -k test_gpu_moe; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+      tail -3 $OUT/gpu_tests.txt'
+    suite 200 moe_sorted --suite moe --seq 131072 1048576 \
+      --only "probjax moe triton" "probjax moe xla" "probjax moe auto"
+    # Which cuDNN each framework loads (torch SDPA cuDNN is 2-7% ahead of JAX's cuDNN
+    # attention on the same memory: #5 / #9's known gaps).
+    step 30 cudnn_versions python3 -c 'import torch; print("torch cudnn", \
+      torch.backends.cudnn.version()); from jax._src.lib import cuda_versions as c; \
+      print("jax cudnn", c.cudnn_get_version())'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
