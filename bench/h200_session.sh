@@ -128,9 +128,11 @@ case "${1:?stage 1 to 10}" in
     suite 150 sequence_mla --suite sequence --only "mla auto" "mha auto"
     ;;
   10)
-    # Not yet run: the sorted dispatch's second matmul and combine under one VJP
-    # (matmul_combine, session 14): its GPU tests, then triton / xla beside run 42's
-    # (131k: 12.82 / 13.95 ms train step; 1M: 99.96 / 103.6).
+    # Not yet run (session 14's unmeasured changes): the sorted dispatch's second matmul
+    # and combine under one VJP (matmul_combine), and the tokens' top-k copies gathered
+    # again in the backward instead of kept (matmul_of_copies: every sorted / Mosaic
+    # mode). Their GPU tests, then auto (Mosaic), triton and xla beside run 42's train
+    # steps (131k: 9.40 / 12.82 / 13.95 ms; 1M: 67.35 / 99.96 / 103.6) and plan GiB.
     step 200 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
       timeout 190 bash bench/gpu_tests.sh -k test_gpu_moe; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \

@@ -352,13 +352,18 @@ def padded_matmul(lhs_p, rhs_p, lay: Layout, kernels: PaddedKernels):
 
     def run_bwd(residuals, dout_p):
         lhs_p, rhs_p, lay = residuals
-        dout_p = dout_p.astype(lhs_p.dtype)
-        dlhs = kernels.matmul_t(dout_p, rhs_p, lay)
-        drhs = kernels.transposed(lhs_p, dout_p, lay)
-        return dlhs.astype(lhs_p.dtype), drhs.astype(rhs_p.dtype), None
+        return (*padded_matmul_vjp(lhs_p, rhs_p, lay, dout_p, kernels=kernels), None)
 
     run.defvjp(run_fwd, run_bwd)
     return run(lhs_p, rhs_p, lay)
+
+
+def padded_matmul_vjp(lhs_p, rhs_p, lay: Layout, dout_p, *, kernels: PaddedKernels):
+    """`(d lhs_p, d rhs_p)` of `padded_matmul` for the cotangent `dout_p`."""
+    dout_p = dout_p.astype(lhs_p.dtype)
+    dlhs = kernels.matmul_t(dout_p, rhs_p, lay)
+    drhs = kernels.transposed(lhs_p, dout_p, lay)
+    return dlhs.astype(lhs_p.dtype), drhs.astype(rhs_p.dtype)
 
 
 def weighted_rows_vjp(lhs, u, scale):
