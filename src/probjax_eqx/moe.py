@@ -25,8 +25,9 @@ like every automatic backend: on sm_90 Mosaic (16-bit compute) on the sorted row
 `AUTO_DISPATCH`'s mode (`"fused_gsum"` on GPUs, `"sorted"` elsewhere or where results
 must repeat bit for bit). `moe.explain(x)` names the kernel and why the others were
 passed over. H200, bf16 train step: Mosaic 1.16x / 1.19x / 1.35x `"fused_gsum"`'s at
-16k / 131k / 1M tokens (runs 35, 37), with twice its scratch memory (3.5 vs 1.8 GiB at
-131k tokens): `dispatch="fused_gsum"` is the lean choice.
+16k / 131k / 1M tokens (runs 35, 37, 42), with twice its scratch memory then (3.5 vs
+1.8 GiB at 131k tokens, before the copies were gathered again in the backward rather
+than kept: `matmul_of_copies`): `dispatch="fused_gsum"` is the lean choice.
 
 `inference_dispatch=` names a mode for the forward outside differentiation (inference,
 evaluation) where it differs from the train step's; under `jax.grad` the dispatch runs
