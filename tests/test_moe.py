@@ -376,6 +376,18 @@ def make_moe(key, dispatch="xla", **kwargs):
     return MoE(16, 24, num_experts=4, dispatch=dispatch, dispatch_config=config, key=key, **kwargs)
 
 
+def test_explain_names_the_kernel_and_what_runs(getkey):
+    x = jax.random.normal(getkey(), (9, 16))
+    choice = make_moe(getkey(), "auto").explain(x)  # the CPU: sorted rows on XLA
+    assert choice.kernel == "xla" and "runs dispatch mode 'sorted'" in str(choice)
+    choice = make_moe(getkey(), "fused_gsum").explain(x)  # interpreted Triton kernels
+    assert choice.kernel == "triton" and "runs dispatch mode 'fused_gsum'" in choice.reason
+    choice = make_moe(getkey(), "mosaic", compute_dtype="bfloat16").explain(x)
+    assert "padded layout" in choice.reason
+    with pytest.raises(UnsupportedError, match="Pallas Triton needs a GPU"):
+        MoE(16, 24, num_experts=4, dispatch="triton", key=getkey()).explain(x)
+
+
 @pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton", "fused_gsum"])
 @pytest.mark.parametrize(
     "kwargs",

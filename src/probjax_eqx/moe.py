@@ -897,11 +897,16 @@ class MoE(eqx.Module):
         """The grouped-matmul `Choice` for the expert matmuls of `x` `[tokens, d_model]`.
 
         A Mosaic choice runs the sorted rows in its padded layout; any other runs
-        `dispatch_mode`.
+        `dispatch_mode`. The reason says which.
         """
-        return explain_grouped_matmul(
+        choice = explain_grouped_matmul(
             *self._gmm_operands(x), implementation=self.dispatch, config=self.dispatch_config
         )
+        if choice.kernel == "mosaic":
+            how = "the sorted rows in Mosaic's padded layout"
+        else:
+            how = f"dispatch mode {self.dispatch_mode!r}"
+        return dataclasses.replace(choice, reason=f"{choice.reason}; runs {how}")
 
     def _gmm_operands(self, x):
         """Shapes of the first expert matmul's operands for tokens `x`."""
