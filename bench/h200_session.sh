@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 10}" in
+case "${1:?stage 1 to 11}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -144,6 +144,11 @@ case "${1:?stage 1 to 10}" in
     step 30 cudnn_versions python3 -c 'import torch; print("torch cudnn", \
       torch.backends.cudnn.version()); from jax._src.lib import cuda_versions as c; \
       print("jax cudnn", c.cudnn_get_version())'
+    ;;
+  11)
+    # Not yet run: every sequence mixer at every T in one run with today's defaults
+    # (#7's table mixes runs 17-41: the Mamba-2 and RLA defaults changed since run 17).
+    suite 500 sequence --suite sequence
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
