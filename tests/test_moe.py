@@ -371,9 +371,10 @@ def dense_moe(moe: MoE, x):
     return y
 
 
-def make_moe(key, dispatch="xla", **kwargs):
+def make_moe(key, dispatch="xla", num_experts=4, **kwargs):
     config = {"triton": GMM_CFG, "fused_gsum": GMM_CFG, "mosaic": MOSAIC_CFG}.get(dispatch)
-    return MoE(16, 24, num_experts=4, dispatch=dispatch, dispatch_config=config, key=key, **kwargs)
+    return MoE(16, 24, num_experts=num_experts, dispatch=dispatch, dispatch_config=config,
+               key=key, **kwargs)  # fmt: skip
 
 
 def test_explain_names_the_kernel_and_what_runs(getkey):
@@ -391,7 +392,12 @@ def test_explain_names_the_kernel_and_what_runs(getkey):
 @pytest.mark.parametrize("dispatch", ["xla", "sorted", "triton", "fused_gsum"])
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(top_k=2), dict(top_k=1, router_type="sigmoid", shared_d_ff=8), dict(top_k=3)],
+    [
+        dict(top_k=2),
+        dict(top_k=1, router_type="sigmoid", shared_d_ff=8),
+        dict(top_k=3),
+        dict(top_k=8, num_experts=10),
+    ],
 )
 def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
     moe = make_moe(getkey(), dispatch, **kwargs)
