@@ -568,65 +568,76 @@ def _swiglu_bwd(d_ff: int, h13, dout):
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def matmul_of_copies(x, rhs, rows, slots, aux, *, matmul, matmul_vjp=None):
-    """`matmul(copy_to_rows(x, rows, slots), rhs, aux)`: the first expert matmul.
+def gmm_product(gmm) -> triton_gmm.GroupedProduct:
+    """`gmm(lhs, rhs, group_sizes)` (the grouped-matmul op) with VJPs from its own.
+
+    Each VJP traces `gmm`'s forward again, unused: XLA drops it.
+    """
+
+    def lhs_vjp(lhs, rhs, sizes, dout):
+        return jax.vjp(lambda a: gmm(a, rhs, sizes), lhs)[1](dout.astype(lhs.dtype))[0]
+
+    def rhs_vjp(lhs, rhs, sizes, dout):
+        return jax.vjp(lambda b: gmm(lhs, b, sizes), rhs)[1](dout.astype(lhs.dtype))[0]
+
+    return triton_gmm.GroupedProduct(gmm, lhs_vjp, rhs_vjp)
+
+
+def matmul_of_copies(x, rhs, rows, slots, aux, product: triton_gmm.GroupedProduct):
+    """`product.call(copy_to_rows(x, rows, slots), rhs, aux)`: the first expert matmul.
 
     The tokens' top-k copies are gathered again in the backward instead of kept: they
     were a layer's largest training residual (8 of 14 GiB at 1M tokens x top-8, d_model
-    512), and the gather is one pass over them. `matmul_vjp(lhs, rhs, aux, dout)` gives
-    `(d lhs, d rhs)`; by default `jax.vjp` of `matmul`, whose unused forward XLA drops.
+    512), and the gather is one pass over them.
     """
-
-    def vjp_of_matmul(lhs, rhs, aux, dout):
-        return jax.vjp(lambda a, b: matmul(a, b, aux), lhs, rhs)[1](dout)
-
-    matmul_vjp = vjp_of_matmul if matmul_vjp is None else matmul_vjp
 
     @jax.custom_vjp
     def run(x, rhs, rows, slots, aux):
-        return matmul(copy_to_rows(x, rows, slots), rhs, aux)
+        return product.call(copy_to_rows(x, rows, slots), rhs, aux)
 
     def run_fwd(*args):
         return run(*args), args
 
     def run_bwd(residuals, dout):
         x, rhs, rows, slots, aux = residuals
-        dcopies, drhs = matmul_vjp(copy_to_rows(x, rows, slots), rhs, aux, dout)
+        copies = copy_to_rows(x, rows, slots)
+        dcopies = product.lhs_vjp(copies, rhs, aux, dout)
         ones = jnp.ones(rows.shape, jnp.float32)  # a token's gradient: its copies' sum
         dx = combine_rows(dcopies, slots, rows, ones).astype(x.dtype)
-        return dx, drhs, None, None, None
+        return dx, product.rhs_vjp(copies, rhs, aux, dout), None, None, None
 
     run.defvjp(run_fwd, run_bwd)
     return run(x, rhs, rows, slots, aux)
 
 
-def matmul_combine(lhs, rhs, group_sizes, scale, slots, rows, *, gmm):
-    """`combine_rows(gmm(lhs, rhs, group_sizes), slots, rows, scale)`: float32 `[tokens, N]`.
+def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.GroupedProduct):
+    """`combine_rows(product.call(lhs, rhs, aux), slots, rows, scale)`: float32 `[tokens, N]`.
 
-    The sorted dispatch's second grouped matmul and its router-weighted combine under one
-    custom VJP, as `padded_matmul_combine` does for Mosaic's layout: the backward gathers
-    the cotangent's rows once and takes `u = dout_r @ rhs^T` from `gmm`'s own VJP, so the
-    weights' gradient is `<lhs_r, u_r>` and the `[rows, N]` products are not kept.
+    An MoE's second grouped matmul and its router-weighted combine under one custom VJP.
+    The backward gathers the cotangent's rows once, in the operands' dtype, and takes
+    `u = dout_r @ rhs^T` unweighted: the weights' gradient is then `<lhs_r, u_r>`, so the
+    `[rows, N]` products are neither kept nor read again (with them the Mosaic layer's
+    backward at 1M tokens took 24 ms more than its matmuls, run 34).
     """
 
     @jax.custom_vjp
-    def run(lhs, rhs, scale, group_sizes, slots, rows):
-        return combine_rows(gmm(lhs, rhs, group_sizes), slots, rows, scale)
+    def run(lhs, rhs, aux, scale, slots, rows):
+        return combine_rows(product.call(lhs, rhs, aux), slots, rows, scale)
 
     def run_fwd(*args):
         return run(*args), args
 
     def run_bwd(residuals, dout):
-        lhs, rhs, scale, group_sizes, slots, rows = residuals
-        per_row = copy_to_rows(dout.astype(lhs.dtype), rows, slots)
-        _, pull_lhs = jax.vjp(lambda a: gmm(a, rhs, group_sizes), lhs)
-        dlhs, dscale = triton_gmm.weighted_rows_vjp(lhs, pull_lhs(per_row)[0], scale)
+        lhs, rhs, aux, scale, slots, rows = residuals
+        per_row = copy_to_rows(dout.astype(lhs.dtype), rows, slots)  # padding rows: zeros
+        u = product.lhs_vjp(lhs, rhs, aux, per_row)
+        dlhs, dscale = triton_gmm.weighted_rows_vjp(lhs, u, scale)
         weighted = (lhs.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]).astype(lhs.dtype)
-        _, pull_rhs = jax.vjp(lambda b: gmm(weighted, b, group_sizes), rhs)
-        return dlhs, pull_rhs(per_row)[0], dscale.astype(scale.dtype), None, None, None
+        drhs = product.rhs_vjp(weighted, rhs, aux, per_row)
+        return dlhs, drhs, None, dscale.astype(scale.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs, scale, group_sizes, slots, rows)
+    return run(lhs, rhs, aux, scale, slots, rows)
 
 
 def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
@@ -822,17 +833,19 @@ class MoE(eqx.Module):
 
     def _sorted(self, x, token_of, slots, sorted_weights, group_sizes, gmm):
         """The top-k copies sorted by expert, through `gmm` (XLA, Triton in place)."""
-        w13 = self.gate_up_weights(x.dtype)
-        h13 = matmul_of_copies(x, w13, token_of, slots, group_sizes, matmul=gmm)
+        product = gmm_product(gmm)
+        h13 = matmul_of_copies(x, self.gate_up_weights(x.dtype), token_of, slots, group_sizes,
+                               product)  # fmt: skip
         h = swiglu(h13, self.w_gate.shape[2])
         w_down = self.w_down.astype(x.dtype)
-        return matmul_combine(h, w_down, group_sizes, sorted_weights, slots, token_of, gmm=gmm)
+        return matmul_combine(h, w_down, group_sizes, sorted_weights, slots, token_of, product)
 
     def _padded(self, x, token_of, slots, sorted_weights, group_sizes, kernels):
-        """The sorted dispatch with the copies gathered once into the kernels' padded layout.
+        """The sorted dispatch with the copies gathered into the kernels' padded layout.
 
-        Both grouped matmuls and their gradients then run on that layout: no re-padding
-        and un-padding around each matmul, forward or backward.
+        Both grouped matmuls and their gradients run on that layout: no re-padding and
+        un-padding around each matmul, forward or backward. Padding rows take the token
+        index `tokens` (past the last: zeros) and weight 0.
         """
         (tokens, d_model), d_ff = x.shape, self.w_gate.shape[2]
         lay, rows, scale = _padded_routing(
@@ -841,17 +854,12 @@ class MoE(eqx.Module):
         slots_p = lay.dest[slots]  # each (token, slot)'s padded row
         w13_p, k_pad, _ = triton_gmm.padded_rhs(self.gate_up_weights(x.dtype), kernels.config)
         x_cols = jnp.pad(x, ((0, 0), (0, k_pad - d_model)))
-        h13 = matmul_of_copies(
-            x_cols, w13_p, rows, slots_p, lay,  # padding rows (token `tokens`) get zeros
-            matmul=functools.partial(triton_gmm.padded_matmul, kernels=kernels),
-            matmul_vjp=functools.partial(triton_gmm.padded_matmul_vjp, kernels=kernels),
-        )  # fmt: skip
-        h = swiglu(h13, d_ff)
+        first = triton_gmm.padded_product(kernels)
+        h = swiglu(matmul_of_copies(x_cols, w13_p, rows, slots_p, lay, first), d_ff)
         w_down_p, k_pad, _ = triton_gmm.padded_rhs(self.w_down.astype(x.dtype), kernels.config)
         h_p = jnp.pad(h, ((0, 0), (0, k_pad - d_ff)))
-        return triton_gmm.padded_matmul_combine(
-            h_p, w_down_p, scale, lay, kernels, slots=slots_p, rows=rows, cols=d_model
-        )
+        combine = triton_gmm.padded_product(kernels, cols=d_model)
+        return matmul_combine(h_p, w_down_p, lay, scale, slots_p, rows, combine)
 
     def _fused_gsum(self, x, token_of, sorted_weights, group_sizes, choice):
         tokens, config = x.shape[0], choice.config

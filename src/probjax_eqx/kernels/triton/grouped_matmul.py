@@ -20,7 +20,7 @@ kernels): every group's rows start at a multiple of `block_m` (at most
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from probjax_eqx._rows import combine_rows, copy_to_rows, permute_rows
+from probjax_eqx._rows import permute_rows
 
 _MIN_BLOCK = 16
 
@@ -342,28 +342,55 @@ def padded_matmul(lhs_p, rhs_p, lay: Layout, kernels: PaddedKernels):
     `lhs_p` and `rhs_p` are padded already (`Layout.to_padded`, `padded_rhs`): a caller
     that keeps its activations in the padded layout (the MoE) pays no copies per matmul.
     """
+    product = padded_product(kernels)
 
     @jax.custom_vjp
     def run(lhs_p, rhs_p, lay):
-        return kernels.matmul(lhs_p, rhs_p, lay)
+        return product.call(lhs_p, rhs_p, lay)
 
     def run_fwd(lhs_p, rhs_p, lay):
         return run(lhs_p, rhs_p, lay), (lhs_p, rhs_p, lay)
 
     def run_bwd(residuals, dout_p):
         lhs_p, rhs_p, lay = residuals
-        return (*padded_matmul_vjp(lhs_p, rhs_p, lay, dout_p, kernels=kernels), None)
+        dlhs = product.lhs_vjp(lhs_p, rhs_p, lay, dout_p)
+        return dlhs, product.rhs_vjp(lhs_p, rhs_p, lay, dout_p), None
 
     run.defvjp(run_fwd, run_bwd)
     return run(lhs_p, rhs_p, lay)
 
 
-def padded_matmul_vjp(lhs_p, rhs_p, lay: Layout, dout_p, *, kernels: PaddedKernels):
-    """`(d lhs_p, d rhs_p)` of `padded_matmul` for the cotangent `dout_p`."""
-    dout_p = dout_p.astype(lhs_p.dtype)
-    dlhs = kernels.matmul_t(dout_p, rhs_p, lay)
-    drhs = kernels.transposed(lhs_p, dout_p, lay)
-    return dlhs.astype(lhs_p.dtype), drhs.astype(rhs_p.dtype)
+class GroupedProduct(NamedTuple):
+    """A grouped matmul `call(lhs, rhs, aux)` and its VJPs, each `(lhs, rhs, aux, dout)`.
+
+    `lhs_vjp` gives `dout @ rhs[g]^T` per row, `rhs_vjp` gives `lhs_g^T @ dout_g` per
+    group; `aux` is what the call needs besides its operands (group sizes, a `Layout`).
+    """
+
+    call: Callable
+    lhs_vjp: Callable
+    rhs_vjp: Callable
+
+
+def padded_product(kernels: PaddedKernels, cols: int | None = None) -> GroupedProduct:
+    """`kernels` on the padded layout (`aux`: the `Layout`), outputs cut to `cols` columns.
+
+    Cotangents of the cut outputs are padded back to the kernels' columns.
+    """
+
+    def call(lhs_p, rhs_p, lay):
+        return kernels.matmul(lhs_p, rhs_p, lay)[:, :cols]
+
+    def padded(dout, rhs_p):
+        return jnp.pad(dout.astype(rhs_p.dtype), ((0, 0), (0, rhs_p.shape[2] - dout.shape[1])))
+
+    def lhs_vjp(lhs_p, rhs_p, lay, dout):
+        return kernels.matmul_t(padded(dout, rhs_p), rhs_p, lay).astype(lhs_p.dtype)
+
+    def rhs_vjp(lhs_p, rhs_p, lay, dout):
+        return kernels.transposed(lhs_p, padded(dout, rhs_p), lay).astype(rhs_p.dtype)
+
+    return GroupedProduct(call, lhs_vjp, rhs_vjp)
 
 
 def weighted_rows_vjp(lhs, u, scale):
@@ -374,40 +401,6 @@ def weighted_rows_vjp(lhs, u, scale):
     u = u.astype(jnp.float32)
     dlhs = (u * scale.astype(jnp.float32)[:, None]).astype(lhs.dtype)
     return dlhs, jnp.sum(lhs.astype(jnp.float32) * u, axis=-1)
-
-
-def padded_matmul_combine(lhs_p, rhs_p, scale, lay: Layout, kernels: PaddedKernels, *,
-                          slots, rows, cols: int):  # fmt: skip
-    """`out[t] = sum_k scale[r] * (lhs_p @ rhs_p[g])[r, :cols]`, `r = slots[t, k]`, float32.
-
-    An MoE's second grouped matmul and its router-weighted combine (`combine_rows`; `rows`
-    maps padded rows to tokens) under one custom VJP. The backward gathers the
-    cotangent's rows once, in the operands' dtype, and runs the dLHS kernel on them
-    unweighted, `u = dout_r @ rhs^T`: the weights' gradient is then `<lhs_r, u_r>`, so the
-    `[rows, N]` products are neither kept for the backward nor read again (with them the
-    Mosaic layer's backward at 1M tokens took 24 ms more than its matmuls, run 34).
-    """
-
-    @jax.custom_vjp
-    def run(lhs_p, rhs_p, scale, lay, slots, rows):
-        ys = kernels.matmul(lhs_p, rhs_p, lay)[:, :cols]
-        return combine_rows(ys, slots, rows, scale)
-
-    def run_fwd(lhs_p, rhs_p, scale, lay, slots, rows):
-        return run(lhs_p, rhs_p, scale, lay, slots, rows), (lhs_p, rhs_p, scale, lay, slots, rows)
-
-    def run_bwd(residuals, dout):
-        lhs_p, rhs_p, scale, lay, slots, rows = residuals
-        dtype = lhs_p.dtype
-        per_row = copy_to_rows(dout.astype(dtype), rows, slots)  # padding rows: zeros
-        per_row = jnp.pad(per_row, ((0, 0), (0, rhs_p.shape[2] - cols)))
-        dlhs, dscale = weighted_rows_vjp(lhs_p, kernels.matmul_t(per_row, rhs_p, lay), scale)
-        weighted = (lhs_p.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]).astype(dtype)
-        drhs = kernels.transposed(weighted, per_row, lay)
-        return dlhs, drhs.astype(rhs_p.dtype), dscale.astype(scale.dtype), None, None, None
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(lhs_p, rhs_p, scale, lay, slots, rows)
 
 
 def padded_grouped_matmul(lhs, rhs, group_sizes, kernels: PaddedKernels):
