@@ -53,10 +53,15 @@ def combine_rows(ys, slots, rows, scale):
     return out
 
 
+def sum_copies(dcopies, rows, slots):
+    """`copy_to_rows`' transpose: each token's sum over its rows, in `dcopies`' dtype."""
+    ones = jnp.ones(rows.shape, jnp.float32)
+    return combine_rows(dcopies, slots, rows, ones).astype(dcopies.dtype)
+
+
 def _copy_to_rows_bwd(residuals, dout):  # dout has x's dtype
     rows, slots = residuals
-    ones = jnp.ones(rows.shape, jnp.float32)
-    return combine_rows(dout, slots, rows, ones).astype(dout.dtype), None, None
+    return sum_copies(dout, rows, slots), None, None
 
 
 def _combine_rows_bwd(residuals, dout):

@@ -50,6 +50,7 @@ from probjax_eqx._rows import (
     copy_to_rows,
     inverse_permutation,
     permute_rows,
+    sum_copies,
 )
 from probjax_eqx.backends import (
     Backend,
@@ -602,8 +603,7 @@ def matmul_of_copies(x, rhs, rows, slots, aux, product: triton_gmm.GroupedProduc
         x, rhs, rows, slots, aux = residuals
         copies = copy_to_rows(x, rows, slots)
         dcopies = product.lhs_vjp(copies, rhs, aux, dout)
-        ones = jnp.ones(rows.shape, jnp.float32)  # a token's gradient: its copies' sum
-        dx = combine_rows(dcopies, slots, rows, ones).astype(x.dtype)
+        dx = sum_copies(dcopies, rows, slots).astype(x.dtype)
         return dx, product.rhs_vjp(copies, rhs, aux, dout), None, None, None
 
     run.defvjp(run_fwd, run_bwd)
