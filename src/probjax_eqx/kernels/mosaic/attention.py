@@ -315,6 +315,23 @@ def _dot(a_smem, b_smem, shape, while_running=None):
     return pl.run_scoped(run, ACC(shape, jnp.float32))
 
 
+def _overlapped(first, second, shape, consume_first, left_running=0):
+    """Two products of SMEM tiles issued together; the first is consumed while the second runs.
+
+    `first`, `second`: `(a, b)` operand pairs. `consume_first(a @ b)` runs as soon as the
+    first product is ready and may issue `left_running` further wgmmas, which stay in
+    flight. Returns `(its result, the second product)`.
+    """
+
+    def run(first_acc, second_acc):
+        plgpu.wgmma(first_acc, *first)
+        plgpu.wgmma(second_acc, *second)
+        result = consume_first(plgpu.wgmma_accumulator_load(first_acc, wait_n=1))
+        return result, plgpu.wgmma_accumulator_load(second_acc, wait_n=left_running)
+
+    return pl.run_scoped(run, ACC(shape, jnp.float32), ACC(shape, jnp.float32))
+
+
 def _store(*outputs):
     """Write `(value, smem, gmem)` outputs: stage each value in SMEM, copy them by TMA."""
     for value, smem, _ in outputs:
@@ -491,18 +508,29 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
     dk_acc, dv_acc = accs
     bq, dtype = st.config.block_q_dkv, q_smem.dtype
     shape = (_WG_ROWS, bq)  # transposed scores: keys along rows
-    scores_t = _dot(k_smem, qt_smem.at[slot], shape) * (st.scale * LOG2E)
-    if masked:
-        kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-        q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-        scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot)
-    pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
-    dpt = _dot(v_smem, dot_smem.at[slot], shape)
+
+    def probabilities_then_dv(scores_t):  # while dP^T runs; dV's product then runs on
+        scores_t = scores_t * (st.scale * LOG2E)
+        if masked:
+            kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+            q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
+            scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot)
+        pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
+        pt_smem[...] = pt.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
+        return pt
+
+    pt, dpt = _overlapped(
+        (k_smem, qt_smem.at[slot]),
+        (v_smem, dot_smem.at[slot]),
+        shape,
+        probabilities_then_dv,
+        left_running=1,
+    )
     dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
-    pt_smem[...] = pt.astype(dtype)
     dst_smem[...] = dst.astype(dtype)
     plgpu.commit_smem()
-    plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
     plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
 
@@ -669,13 +697,18 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     q_smem, do_smem, lse_smem, delta_smem, ds_smem = tiles
     bk = st.config.block_k_dq
     shape = (_WG_ROWS, bk)
-    s = _dot(q_smem, kt_smem.at[slot], shape) * (st.scale * LOG2E)
-    if masked:
-        q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-        kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-        s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
-    p = jnp.exp2(s - _rows(lse_smem[...], shape))
-    dp = _dot(do_smem, vt_smem.at[slot], shape)
+
+    def probabilities(s):  # while dP runs
+        s = s * (st.scale * LOG2E)
+        if masked:
+            q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+            kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+            s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
+        return jnp.exp2(s - _rows(lse_smem[...], shape))
+
+    p, dp = _overlapped(
+        (q_smem, kt_smem.at[slot]), (do_smem, vt_smem.at[slot]), shape, probabilities
+    )
     ds_smem[...] = (p * (dp - _rows(delta_smem[...], shape)) * st.scale).astype(ds_smem.dtype)
     plgpu.commit_smem()
     plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
