@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 11}" in
+case "${1:?stage 1 to 12}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -149,6 +149,21 @@ case "${1:?stage 1 to 11}" in
     # Not yet run: every sequence mixer at every T in one run with today's defaults
     # (#7's table mixes runs 17-41: the Mamba-2 and RLA defaults changed since run 17).
     suite 500 sequence --suite sequence
+    ;;
+  12)
+    # Not yet run (session 15): the Mosaic attention backward issuing S and dP together
+    # (and dV's product beside dS^T), and the forward's intra-warpgroup overlap
+    # (overlap_softmax, off until timed). Its GPU tests; the forward configs at T 4096 and
+    # 16384 (#5's goal: 550 TFLOP/s at 16384, hd 128; run 16 measured 0.602 ms at 4096);
+    # then fwd+bwd beside tokamax Mosaic and torch cuDNN (run 16: 2.855 / 2.136 / 1.849).
+    step 200 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
+      timeout 190 bash bench/gpu_tests.sh -k mosaic; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+      tail -3 $OUT/gpu_tests.txt'
+    step 150 sweep_mosaic python3 -m bench.sweep_attention --out "$out/sweep_mosaic.json" \
+      --implementation mosaic --seq 4096 16384 --head-dim 128 --causal 0 --part fwd
+    suite 200 attention_mosaic --suite attention --seq 4096 --set head_dim=128 \
+      --only "probjax mosaic" "tokamax mosaic" "torch sdpa cudnn" "probjax auto"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -60,7 +60,8 @@ BWD_FLOAT32 = [
 ]
 
 
-# Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers, ping-pong).
+# Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers, ping-pong[,
+# intra-warpgroup overlap of softmax and P @ V]).
 MOSAIC_FWD = [
     (128, 2, None, False),
     (128, 2, None, True),
@@ -69,6 +70,11 @@ MOSAIC_FWD = [
     (64, 3, None, False),
     (64, 3, None, True),
     (64, 3, 40, True),
+    (128, 2, None, False, True),
+    (128, 2, 24, False, True),
+    (128, 2, 32, False, True),
+    (128, 2, 40, False, True),
+    (64, 3, 24, False, True),
 ]
 # Mosaic backward: (keys per dK/dV program, rows per dQ program, keys per dQ step, ring
 # depth); 128 keys / rows: two compute warpgroups and a TMA warpgroup.
@@ -79,7 +85,7 @@ CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig
 
 def _configs(implementation, float32=False):
     if implementation == "mosaic":
-        keys = ("block_k", "num_stages", "memory_registers", "pingpong")
+        keys = ("block_k", "num_stages", "memory_registers", "pingpong", "overlap_softmax")
         out = [("fwd", dict(zip(keys, tiles))) for tiles in MOSAIC_FWD]
         keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages")
         out += [("bwd", dict(zip(keys, tiles))) for tiles in MOSAIC_BWD]
@@ -124,21 +130,25 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--implementation", choices=sorted(CONFIG_TYPES), default="triton")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, nargs="*", default=[4096])
     parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--part", choices=["fwd", "bwd"], nargs="*", default=["fwd", "bwd"])
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-seq", type=int, help="keys per row (default: --seq)")
+    parser.add_argument("--kv-seq", type=int, help="keys per row (default: each --seq)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     warm_up_device()
-    kv_seq = args.kv_seq or args.seq
     writer = RowWriter(args.out)
+    for seq in args.seq:
+        _sweep(args, seq, args.kv_seq or seq, writer)
+
+
+def _sweep(args, seq, kv_seq, writer):
     for d in args.head_dim:
         keys = jax.random.split(jax.random.key(0), 4)
-        shape = (args.batch, args.seq, args.heads, d)
+        shape = (args.batch, seq, args.heads, d)
         q = jax.random.normal(keys[0], shape, args.dtype)
         k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), args.dtype)
                 for kk in keys[1:3])  # fmt: skip
@@ -152,7 +162,7 @@ def main():
                     implementation=args.implementation,
                     batch=args.batch,
                     heads=args.heads,
-                    seq=args.seq,
+                    seq=seq,
                     kv_seq=kv_seq,
                     head_dim=d,
                     dtype=args.dtype,

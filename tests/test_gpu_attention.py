@@ -231,8 +231,9 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
     check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
 
 
+@pytest.mark.parametrize("schedule", ["pingpong", "overlap_softmax"])
 @pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
-def test_mosaic_pingpong_and_two_warpgroup_backward_on_gpu(getkey, name):
+def test_mosaic_forward_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedule):
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 
     mask, lq, lkv = MOSAIC_CASES[name]
@@ -241,7 +242,9 @@ def test_mosaic_pingpong_and_two_warpgroup_backward_on_gpu(getkey, name):
     ct = jax.random.normal(getkey(), q.shape)
     # Segment-id tiles leave no shared memory for the two-warpgroup dK/dV program.
     two_wg_dkv = 64 if name == "segments" else 128
-    config = MosaicAttentionConfig(block_k_dkv=two_wg_dkv, block_q_dq=128, pingpong=True)
+    registers = {"overlap_softmax": 24, "pingpong": None}[schedule]
+    config = MosaicAttentionConfig(block_k_dkv=two_wg_dkv, block_q_dq=128,
+                                   memory_registers=registers, **{schedule: True})  # fmt: skip
     f = lambda q, k, v: dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, implementation="mosaic", config=config
     )

@@ -86,6 +86,26 @@ def test_two_warpgroup_backward(getkey, q_len, kv_len, mask):
     check(q, k, v, ct, mask, dataclasses.replace(CFG, block_k_dkv=128, block_q_dq=128))
 
 
+@pytest.mark.parametrize(
+    "q_len, kv_len, mask",
+    [
+        # Masked first and last key tiles around full ones; a batch element with no keys
+        # (no step to start the pipeline) beside one with a single tile.
+        (150, 260, masks.Causal("bottom_right")),
+        (70, 130, masks.KVLengths(jnp.array([0, 60]))),
+    ],
+)
+def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
+    """overlap_softmax: each step's softmax runs beside the previous step's P @ V."""
+    batch = 1 if isinstance(mask, masks.Causal) else 2
+    q, k, v = make_qkv(getkey(), batch=batch, q_len=q_len, kv_len=kv_len, q_heads=2,
+                       kv_heads=1, qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), (batch, q_len, 2, 16))
+    # 128-key steps: the scores and P @ V products differ in shape.
+    config = dataclasses.replace(CFG, block_k=128, overlap_softmax=True, memory_registers=24)
+    check(q, k, v, ct, mask, config)
+
+
 def test_rows_without_keys_are_zero(getkey):
     q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
     mask = masks.KVLengths(jnp.array([0, 4]))
@@ -108,6 +128,8 @@ def test_refusals_name_the_reason(getkey):
         MosaicAttentionConfig(block_k=32)
     with pytest.raises(ValueError, match="must be 64 or 128"):
         MosaicAttentionConfig(block_q_dq=192)
+    with pytest.raises(ValueError, match="two schedules"):
+        MosaicAttentionConfig(pingpong=True, overlap_softmax=True)
     # Two-warpgroup backward tiles at head dim 256 do not fit: refused before compiling.
     q, k, v = make_qkv(getkey(), qk_dim=256, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)

@@ -31,10 +31,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
-# FA3's forward register split and ping-pong; the backward's two compute warpgroups.
+# FA3's forward register split with ping-pong or intra-warpgroup overlap; the backward's
+# two compute warpgroups.
 @pytest.mark.parametrize(
     "tuned",
-    [{}, dict(memory_registers=40, pingpong=True), dict(block_k_dkv=128, block_q_dq=128)],
+    [
+        {},
+        dict(memory_registers=40, pingpong=True),
+        dict(memory_registers=24, overlap_softmax=True),
+        dict(block_k_dkv=128, block_q_dq=128),
+    ],
 )
 def test_attention_kernels_lower(mask, tuned):
     keys = jax.random.split(jax.random.key(0), 3)

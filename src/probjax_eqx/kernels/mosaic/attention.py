@@ -3,12 +3,15 @@
 Forward (FlashAttention-3 layout): a program owns `2 * block_q` query rows; two compute
 warpgroups each run the online softmax (base 2, float32) over 64-row halves with `wgmma`
 on shared-memory operands, while a third warpgroup streams K and V tiles with TMA into a
-`num_stages`-deep ring, released by per-slot "consumed" barriers. Backward: a dK/dV kernel
-(one program per key tile, looping over query tiles) and a dQ kernel (one program per
-query tile, looping over key tiles), each prefetching the next tile's operands with TMA
-while it computes the current one; with `block_k_dkv=128` the dK/dV program instead has
-two compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup (and
-with `block_q_dq=128` the dQ program: 64 rows each, sharing each key tile).
+`num_stages`-deep ring, released by per-slot "consumed" barriers (`overlap_softmax`: each
+step's softmax runs while the previous step's P @ V is on the tensor cores). Backward: a
+dK/dV kernel (one program per key tile, looping over query tiles) and a dQ kernel (one
+program per query tile, looping over key tiles), each prefetching the next tile's operands
+with TMA while it computes the current one; with `block_k_dkv=128` the dK/dV program
+instead has two compute warpgroups of 64 keys sharing each query tile, fed by a TMA
+warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing each key
+tile). Every backward step issues its two score-side products (S and dP) together and
+computes P while dP runs.
 
 `wgmma` reads its B operand untransposed from shared memory, so the wrapper passes the
 operands that appear transposed (K in QK^T, Q and dO in the dK/dV kernel, V in dP) as
@@ -92,6 +95,10 @@ class MosaicAttentionConfig:
             matmuls run. A rendezvous barrier of the two orders them. Off: on the
             H200 (run 16, B4 H8 T4096 hd128) the forward took 0.629 ms with it and
             0.620 ms without.
+        overlap_softmax: in the forward, FA3's intra-warpgroup overlap: step j's scores
+            and softmax run while step j - 1's P @ V product is on the tensor cores. It
+            holds one more float32 tile per thread (pair it with `memory_registers`);
+            not with `pingpong`. Off until timed on the H200.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -104,6 +111,7 @@ class MosaicAttentionConfig:
     num_stages: int = 2
     memory_registers: int | None = None
     pingpong: bool = False
+    overlap_softmax: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -119,6 +127,8 @@ class MosaicAttentionConfig:
                 raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.pingpong and self.overlap_softmax:
+            raise ValueError("pingpong and overlap_softmax are two schedules: pick one")
         regs = self.memory_registers
         if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
             raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
@@ -315,12 +325,13 @@ def _dot(a_smem, b_smem, shape, while_running=None):
     return pl.run_scoped(run, ACC(shape, jnp.float32))
 
 
-def _overlapped(first, second, shape, consume_first, left_running=0):
+def _overlapped(first, second, shapes, consume_first, left_running=0):
     """Two products of SMEM tiles issued together; the first is consumed while the second runs.
 
-    `first`, `second`: `(a, b)` operand pairs. `consume_first(a @ b)` runs as soon as the
-    first product is ready and may issue `left_running` further wgmmas, which stay in
-    flight. Returns `(its result, the second product)`.
+    `first`, `second`: `(a, b)` operand pairs, their products of `shapes`.
+    `consume_first(a @ b)` runs as soon as the first product is ready and may issue
+    `left_running` further wgmmas, which stay in flight. Returns `(its result, the second
+    product)`.
     """
 
     def run(first_acc, second_acc):
@@ -329,7 +340,7 @@ def _overlapped(first, second, shape, consume_first, left_running=0):
         result = consume_first(plgpu.wgmma_accumulator_load(first_acc, wait_n=1))
         return result, plgpu.wgmma_accumulator_load(second_acc, wait_n=left_running)
 
-    return pl.run_scoped(run, ACC(shape, jnp.float32), ACC(shape, jnp.float32))
+    return pl.run_scoped(run, *(ACC(shape, jnp.float32) for shape in shapes))
 
 
 def _store(*outputs):
@@ -391,12 +402,15 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         if cfg.pingpong:  # warpgroup 1 starts half a step behind
             pl.when(wg == 1)(take_turns)
 
-        def body(j, carry, masked):
-            acc, m, denom = carry
-            slot = lax.rem(j - lo, stages)
+        def scores(j, slot, while_running=None):
+            """Step j's scores; K's slot is released once they are read."""
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape, handoff)
+            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape, while_running)
             plgpu.barrier_arrive(k_free.at[slot])
+            return s
+
+        def softmax(j, slot, s, m, denom, masked):
+            """Step j's probabilities P (unnormalised), running max, rescale and sum."""
             for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
                 plgpu.barrier_wait(bar.at[slot])
             if masked:
@@ -411,10 +425,19 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_safe)
             p = jnp.exp2(s * c - _rows(m_safe, shape))
-            denom = denom * alpha + p.sum(axis=1)
-            acc = acc * _rows(alpha, acc.shape)
+            return p, m_new, alpha, denom * alpha + p.sum(axis=1)
+
+        def stage_p(p):
             p_smem.at[wg][...] = p.astype(dtype)
             plgpu.commit_smem()
+
+        def body(j, carry, masked):
+            acc, m, denom = carry
+            slot = lax.rem(j - lo, stages)
+            s = scores(j, slot, handoff)
+            p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
+            acc = acc * _rows(alpha, acc.shape)
+            stage_p(p)
             if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
                 plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_bar.at[slot])
@@ -422,14 +445,62 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
                 plgpu.barrier_wait(turn)
             acc = acc + _dot(p_smem.at[wg], v_smem.at[slot], acc.shape)
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, denom
+            return acc, m, denom
+
+        def pv_of(slot):
+            """The staged P times V's `slot`, which is then released."""
+            plgpu.barrier_wait(v_bar.at[slot])
+            pv = _dot(p_smem.at[wg], v_smem.at[slot], (bq, st.dv))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return pv
+
+        def overlapped_body(j, carry, masked):
+            """Step j's scores and softmax while step j - 1's P @ V runs."""
+            acc, m, denom = carry
+            slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[prev])
+
+            def on_scores(s):
+                plgpu.barrier_arrive(k_free.at[slot])
+                return softmax(j, slot, s, m, denom, masked)
+
+            (p, m, alpha, denom), pv = _overlapped(
+                (q_smem.at[wg], kt_smem.at[slot]),
+                (p_smem.at[wg], v_smem.at[prev]),
+                (shape, acc.shape),
+                on_scores,
+            )
+            plgpu.barrier_arrive(v_free.at[prev])
+            stage_p(p)  # after P @ V, which read the previous P
+            return (acc + pv) * _rows(alpha, acc.shape), m, denom
 
         init = (
             jnp.zeros((bq, st.dv), jnp.float32),
             jnp.full((bq,), -jnp.inf, jnp.float32),
             jnp.zeros((bq,), jnp.float32),
         )
-        acc, m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
+        if not cfg.overlap_softmax:
+            acc, m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
+        else:
+            # Step lo (mask evaluated: exact on any tile) starts the pipeline; the loop's
+            # steps each finish the previous one; the last P @ V follows the loop.
+            def first_step(carry):
+                acc, m, denom = carry
+                p, m, _, denom = softmax(lo, 0, scores(lo, 0), m, denom, True)
+                stage_p(p)
+                return acc, m, denom
+
+            def last_product(carry):
+                acc, m, denom = carry
+                return acc + pv_of(lax.rem(hi - 1 - lo, stages)), m, denom
+
+            started = hi > lo
+            carry = lax.cond(started, first_step, lambda carry: carry, init)
+            after = lo + 1
+            ranges = (after, jnp.maximum(full_lo, after), jnp.maximum(full_hi, after), hi)
+            carry = _flash.tile_loop(ranges, overlapped_body, carry)
+            acc, m, denom = lax.cond(started, last_product, lambda carry: carry, carry)
         if cfg.pingpong:  # warpgroup 0 ends with the meeting warpgroup 1 started with
             pl.when(wg == 0)(take_turns)
         empty = denom == 0.0
@@ -524,7 +595,7 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
     pt, dpt = _overlapped(
         (k_smem, qt_smem.at[slot]),
         (v_smem, dot_smem.at[slot]),
-        shape,
+        (shape, shape),
         probabilities_then_dv,
         left_running=1,
     )
@@ -707,7 +778,7 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
         return jnp.exp2(s - _rows(lse_smem[...], shape))
 
     p, dp = _overlapped(
-        (q_smem, kt_smem.at[slot]), (do_smem, vt_smem.at[slot]), shape, probabilities
+        (q_smem, kt_smem.at[slot]), (do_smem, vt_smem.at[slot]), (shape, shape), probabilities
     )
     ds_smem[...] = (p * (dp - _rows(delta_smem[...], shape)) * st.scale).astype(ds_smem.dtype)
     plgpu.commit_smem()
