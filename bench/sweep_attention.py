@@ -61,7 +61,7 @@ BWD_FLOAT32 = [
 
 
 # Mosaic forward: (keys per step, TMA ring depth, TMA warpgroup registers, ping-pong[,
-# intra-warpgroup overlap of softmax and P @ V]).
+# intra-warpgroup overlap of softmax and P @ V[, P from registers]]), or the config's fields.
 MOSAIC_FWD = [
     (128, 2, None, False),
     (128, 2, None, True),
@@ -75,19 +75,33 @@ MOSAIC_FWD = [
     (128, 2, 32, False, True),
     (128, 2, 40, False, True),
     (64, 3, 24, False, True),
+    # P from registers (FA3): its SMEM freed, a third stage fits (with 64-key dK/dV tiles)
+    (128, 2, None, False, False, True),
+    (128, 2, 24, False, True, True),
+    (128, 2, 32, False, True, True),
+    dict(
+        block_k=128,
+        num_stages=3,
+        overlap_softmax=True,
+        memory_registers=24,
+        p_in_registers=True,
+        block_k_dkv=64,
+    ),
 ]
 # Mosaic backward: (keys per dK/dV program, rows per dQ program, keys per dQ step, ring
-# depth); 128 keys / rows: two compute warpgroups and a TMA warpgroup.
+# depth[, P^T / dS^T / dS from registers]); 128 keys / rows: two compute warpgroups and a
+# TMA warpgroup.
 MOSAIC_BWD = [(64, 64, 64, 2), (128, 64, 64, 2), (64, 128, 64, 2), (128, 128, 64, 2),
-              (64, 64, 128, 2)]  # fmt: skip
+              (64, 64, 128, 2), (128, 128, 64, 2, True), (128, 64, 128, 2, True)]  # fmt: skip
 CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig}
 
 
 def _configs(implementation, float32=False):
     if implementation == "mosaic":
-        keys = ("block_k", "num_stages", "memory_registers", "pingpong", "overlap_softmax")
-        out = [("fwd", dict(zip(keys, tiles))) for tiles in MOSAIC_FWD]
-        keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages")
+        keys = ("block_k", "num_stages", "memory_registers", "pingpong", "overlap_softmax",
+                "p_in_registers")  # fmt: skip
+        out = [("fwd", dict(zip(keys, t)) if isinstance(t, tuple) else t) for t in MOSAIC_FWD]
+        keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages", "p_in_registers")
         out += [("bwd", dict(zip(keys, tiles))) for tiles in MOSAIC_BWD]
         return out
     keys = ("block_q", "block_k", "num_warps", "num_stages", "num_splits")

@@ -231,9 +231,18 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
     check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
 
 
-@pytest.mark.parametrize("schedule", ["pingpong", "overlap_softmax"])
+MOSAIC_SCHEDULES = {
+    "pingpong": dict(pingpong=True),
+    "overlap_softmax": dict(overlap_softmax=True, memory_registers=24),
+    "p_in_registers": dict(p_in_registers=True),
+    "overlap_in_registers": dict(overlap_softmax=True, memory_registers=24, p_in_registers=True),
+}
+
+
+@pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)
 @pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
-def test_mosaic_forward_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedule):
+def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedule):
+    """FA3's forward schedules and register operands (not in the CPU interpreter)."""
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 
     mask, lq, lkv = MOSAIC_CASES[name]
@@ -242,9 +251,9 @@ def test_mosaic_forward_schedules_and_two_warpgroup_backward_on_gpu(getkey, name
     ct = jax.random.normal(getkey(), q.shape)
     # Segment-id tiles leave no shared memory for the two-warpgroup dK/dV program.
     two_wg_dkv = 64 if name == "segments" else 128
-    registers = {"overlap_softmax": 24, "pingpong": None}[schedule]
-    config = MosaicAttentionConfig(block_k_dkv=two_wg_dkv, block_q_dq=128,
-                                   memory_registers=registers, **{schedule: True})  # fmt: skip
+    config = MosaicAttentionConfig(
+        block_k_dkv=two_wg_dkv, block_q_dq=128, **MOSAIC_SCHEDULES[schedule]
+    )
     f = lambda q, k, v: dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, implementation="mosaic", config=config
     )

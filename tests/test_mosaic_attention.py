@@ -130,6 +130,8 @@ def test_refusals_name_the_reason(getkey):
         MosaicAttentionConfig(block_q_dq=192)
     with pytest.raises(ValueError, match="two schedules"):
         MosaicAttentionConfig(pingpong=True, overlap_softmax=True)
+    with pytest.raises(ValueError, match="p_in_registers needs the GPU"):
+        dataclasses.replace(CFG, p_in_registers=True)
     # Two-warpgroup backward tiles at head dim 256 do not fit: refused before compiling.
     q, k, v = make_qkv(getkey(), qk_dim=256, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
@@ -149,6 +151,14 @@ def test_shared_memory_is_counted_as_mosaic_counts_it():
     two_wg = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128)
     assert smem_bytes(two_wg, 128, 128, 1, 1)["dkv"] == 233648
     assert smem_bytes(MosaicAttentionConfig(block_k_dq=128), 128, 128)["dq"] == 247888
+    # Register operands free P's staging (two warpgroups' 64 x 128 tiles), P^T's and
+    # dS^T's (two warpgroups' 64 x 64 each) and dS's (64 x 64).
+    staged, in_registers = (
+        smem_bytes(MosaicAttentionConfig(block_k_dkv=128, p_in_registers=p), 128, 128)
+        for p in (False, True)
+    )
+    freed = {kernel: staged[kernel] - in_registers[kernel] for kernel in staged}
+    assert freed == {"forward": 32768, "dkv": 32768, "dq": 8192}
 
 
 def test_default_tiles_step_down_where_shared_memory_is_short(getkey):

@@ -32,7 +32,7 @@ CASES = {
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
 # FA3's forward register split with ping-pong or intra-warpgroup overlap; the backward's
-# two compute warpgroups.
+# two compute warpgroups; FA3's register operands.
 @pytest.mark.parametrize(
     "tuned",
     [
@@ -40,6 +40,9 @@ CASES = {
         dict(memory_registers=40, pingpong=True),
         dict(memory_registers=24, overlap_softmax=True),
         dict(block_k_dkv=128, block_q_dq=128),
+        # P, P^T, dS^T, dS from registers (GPU only: the interpreter cannot run it).
+        dict(p_in_registers=True),
+        dict(p_in_registers=True, overlap_softmax=True, block_k_dkv=128, block_q_dq=128),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):

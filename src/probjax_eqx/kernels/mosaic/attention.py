@@ -99,6 +99,11 @@ class MosaicAttentionConfig:
             and softmax run while step j - 1's P @ V product is on the tensor cores. It
             holds one more float32 tile per thread (pair it with `memory_registers`);
             not with `pingpong`. Off until timed on the H200.
+        p_in_registers: the products' left operands computed in the kernel (P forward;
+            P^T, dS^T and dS backward) feed `wgmma` from registers, as in FA3, instead of
+            being staged in shared memory (which they then no longer take). GPU only:
+            jax's Mosaic GPU interpreter reads wgmma operands from shared memory alone.
+            Off until timed on the H200.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -112,6 +117,7 @@ class MosaicAttentionConfig:
     memory_registers: int | None = None
     pingpong: bool = False
     overlap_softmax: bool = False
+    p_in_registers: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -129,6 +135,11 @@ class MosaicAttentionConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
         if self.pingpong and self.overlap_softmax:
             raise ValueError("pingpong and overlap_softmax are two schedules: pick one")
+        if self.p_in_registers and self.interpret:
+            raise ValueError(
+                "p_in_registers needs the GPU: the Mosaic GPU interpreter reads wgmma "
+                "operands from shared memory only"
+            )
         regs = self.memory_registers
         if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
             raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
@@ -142,6 +153,23 @@ def _dims(call: AttentionCall) -> tuple[int, int]:
     return _round_up(call.qk_dim, _WG_ROWS), _round_up(call.v_dim, _WG_ROWS)
 
 
+def _staging(cfg: MosaicAttentionConfig, shape, dtype, count=1) -> list:
+    """SMEM staging of `count` in-kernel wgmma operands (last in a scratch list).
+
+    None where `p_in_registers` keeps them in registers.
+    """
+    return [] if cfg.p_in_registers else [swizzled(shape, dtype)] * count
+
+
+def _a_operand(value, dtype, staging):
+    """`value` as wgmma's left operand: in registers, or staged in SMEM `staging`."""
+    if staging is None:
+        return value.astype(dtype)
+    staging[...] = value.astype(dtype)
+    plgpu.commit_smem()
+    return staging
+
+
 def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0):
     """Shared-memory buffers of a forward program (`n_*_pos`: segment-id operands)."""
     stages, bq, bk = cfg.num_stages, cfg.block_q, cfg.block_k
@@ -149,7 +177,6 @@ def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_p
         swizzled((2, bq, d), dtype),
         swizzled((stages, d, bk), dtype),
         swizzled((stages, bk, dv), dtype),
-        swizzled((2, bq, bk), dtype),
         plgpu.SMEM((2, bq), jnp.float32),
         *([swizzled((2, bq, dv), dtype)] if dv != d else []),
         plgpu.Barrier(num_arrivals=1, num_barriers=2),
@@ -166,7 +193,7 @@ def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_p
             plgpu.SMEM((stages, bk), jnp.int32),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         ]
-    return scratch
+    return scratch + _staging(cfg, (2, bq, bk), dtype)
 
 
 def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0):
@@ -186,13 +213,12 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
         swizzled((stages, dv, bq), dtype),
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
-        swizzled((*keys, bq), dtype),
-        swizzled((*keys, bq), dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=(2 + n_kv_pos) * wgs),
         plgpu.Barrier(num_arrivals=1, num_barriers=(6 + n_q_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(keys, jnp.int32)] * n_kv_pos,
         *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
+        *_staging(cfg, (*keys, bq), dtype, count=2),
     ]
 
 
@@ -212,12 +238,12 @@ def _dq_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0)
         swizzled((stages, d, bk), dtype),
         swizzled((stages, bk, d), dtype),
         swizzled((stages, dv, bk), dtype),
-        swizzled((*rows, bk), dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=(4 + n_q_pos) * wgs),
         plgpu.Barrier(num_arrivals=1, num_barriers=(3 + n_kv_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(rows, jnp.int32)] * n_q_pos,
         *[plgpu.SMEM((stages, bk), jnp.int32)] * n_kv_pos,
+        *_staging(cfg, (*rows, bk), dtype),
     ]
 
 
@@ -310,14 +336,14 @@ def _positional(st: _Static, kind: str) -> list[int]:
     return [k for k, x in enumerate(st.kinds) if x == kind]
 
 
-def _dot(a_smem, b_smem, shape, while_running=None):
-    """`a @ b` of two shared-memory tiles into float32 registers.
+def _dot(a, b_smem, shape, while_running=None):
+    """`a @ b` into float32 registers (`a` in SMEM or registers, `b` in SMEM).
 
     `while_running()` runs between issuing the wgmma and waiting for its result.
     """
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        plgpu.wgmma(acc_ref, a, b_smem)
         if while_running is not None:
             while_running()
         return acc_ref[...]
@@ -326,9 +352,10 @@ def _dot(a_smem, b_smem, shape, while_running=None):
 
 
 def _overlapped(first, second, shapes, consume_first, left_running=0):
-    """Two products of SMEM tiles issued together; the first is consumed while the second runs.
+    """Two products issued together; the first is consumed while the second runs.
 
-    `first`, `second`: `(a, b)` operand pairs, their products of `shapes`.
+    `first`, `second`: `(a, b)` operand pairs as `_dot` takes them, their products of
+    `shapes`.
     `consume_first(a @ b)` runs as soon as the first product is ready and may issue
     `left_running` further wgmmas, which stay in flight. Returns `(its result, the second
     product)`.
@@ -364,11 +391,15 @@ def _cols(x, shape):
 def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st, rebuild):
     n_ops = len(st.kinds)
     op_refs, (o_ref, lse_ref), scratch = refs[:n_ops], refs[n_ops : n_ops + 2], refs[n_ops + 2 :]
+    cfg, dtype = st.config, q_ref.dtype
+    staged = not cfg.p_in_registers
+    p_smem = scratch[-1] if staged else None  # P's SMEM staging (`_staging`)
+    scratch = scratch[:-1] if staged else scratch
     if st.d == st.dv:  # the output reuses the query buffer
-        q_smem, kt_smem, v_smem, p_smem, lse_smem, *bars = scratch
+        q_smem, kt_smem, v_smem, lse_smem, *bars = scratch
         o_smem = q_smem
     else:
-        q_smem, kt_smem, v_smem, p_smem, lse_smem, o_smem, *bars = scratch
+        q_smem, kt_smem, v_smem, lse_smem, o_smem, *bars = scratch
     q_bar, k_bar, v_bar, k_free, v_free, turn, *pos = bars
     # Segment ids: per q_pos operand a [2, bq] buffer, per kv_pos operand a ring of [bk].
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
@@ -376,7 +407,6 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     kv_ids = {
         k: (pos[2 * (len(q_pos) + n)], pos[2 * (len(q_pos) + n) + 1]) for n, k in enumerate(kv_pos)
     }
-    cfg, dtype = st.config, q_ref.dtype
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
     t = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * bq))
     h, b = lax.axis_index("h"), lax.axis_index("b")
@@ -427,9 +457,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             p = jnp.exp2(s * c - _rows(m_safe, shape))
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
-        def stage_p(p):
-            p_smem.at[wg][...] = p.astype(dtype)
-            plgpu.commit_smem()
+        p_staging = None if p_smem is None else p_smem.at[wg]
 
         def body(j, carry, masked):
             acc, m, denom = carry
@@ -437,26 +465,28 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             s = scores(j, slot, handoff)
             p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
             acc = acc * _rows(alpha, acc.shape)
-            stage_p(p)
+            p = _a_operand(p, dtype, p_staging)
             if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
                 plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(v_bar.at[slot])
             if cfg.pingpong:
                 plgpu.barrier_wait(turn)
-            acc = acc + _dot(p_smem.at[wg], v_smem.at[slot], acc.shape)
+            acc = acc + _dot(p, v_smem.at[slot], acc.shape)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, denom
 
-        def pv_of(slot):
-            """The staged P times V's `slot`, which is then released."""
-            plgpu.barrier_wait(v_bar.at[slot])
-            pv = _dot(p_smem.at[wg], v_smem.at[slot], (bq, st.dv))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return pv
+        # The overlapped schedule holds each step's P until the next step's P @ V: in the
+        # loop's carry (registers) or in its SMEM staging (the carry holds nothing).
+        def hold(p):
+            operand = _a_operand(p, dtype, p_staging)
+            return () if staged else operand
+
+        def held_operand(held):
+            return p_staging if staged else held
 
         def overlapped_body(j, carry, masked):
             """Step j's scores and softmax while step j - 1's P @ V runs."""
-            acc, m, denom = carry
+            acc, m, denom, held = carry
             slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[prev])
@@ -467,13 +497,13 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
 
             (p, m, alpha, denom), pv = _overlapped(
                 (q_smem.at[wg], kt_smem.at[slot]),
-                (p_smem.at[wg], v_smem.at[prev]),
+                (held_operand(held), v_smem.at[prev]),
                 (shape, acc.shape),
                 on_scores,
             )
             plgpu.barrier_arrive(v_free.at[prev])
-            stage_p(p)  # after P @ V, which read the previous P
-            return (acc + pv) * _rows(alpha, acc.shape), m, denom
+            held = hold(p)  # after P @ V, which read the previous P
+            return (acc + pv) * _rows(alpha, acc.shape), m, denom, held
 
         init = (
             jnp.zeros((bq, st.dv), jnp.float32),
@@ -486,21 +516,25 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
             # Step lo (mask evaluated: exact on any tile) starts the pipeline; the loop's
             # steps each finish the previous one; the last P @ V follows the loop.
             def first_step(carry):
-                acc, m, denom = carry
+                acc, m, denom, _ = carry
                 p, m, _, denom = softmax(lo, 0, scores(lo, 0), m, denom, True)
-                stage_p(p)
-                return acc, m, denom
+                return acc, m, denom, hold(p)
 
             def last_product(carry):
-                acc, m, denom = carry
-                return acc + pv_of(lax.rem(hi - 1 - lo, stages)), m, denom
+                acc, m, denom, held = carry
+                slot = lax.rem(hi - 1 - lo, stages)
+                plgpu.barrier_wait(v_bar.at[slot])
+                acc = acc + _dot(held_operand(held), v_smem.at[slot], acc.shape)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, denom, held
 
+            nothing_held = () if staged else jnp.zeros(shape, dtype)
             started = hi > lo
-            carry = lax.cond(started, first_step, lambda carry: carry, init)
+            carry = lax.cond(started, first_step, lambda c: c, (*init, nothing_held))
             after = lo + 1
             ranges = (after, jnp.maximum(full_lo, after), jnp.maximum(full_hi, after), hi)
             carry = _flash.tile_loop(ranges, overlapped_body, carry)
-            acc, m, denom = lax.cond(started, last_product, lambda carry: carry, carry)
+            acc, m, denom, _ = lax.cond(started, last_product, lambda c: c, carry)
         if cfg.pingpong:  # warpgroup 0 ends with the meeting warpgroup 1 started with
             pl.when(wg == 0)(take_turns)
         empty = denom == 0.0
@@ -587,9 +621,7 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
             q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
             scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot)
         pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
-        pt_smem[...] = pt.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.wgmma(dv_acc, pt_smem, do_smem.at[slot])
+        plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
         return pt
 
     pt, dpt = _overlapped(
@@ -600,9 +632,7 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
         left_running=1,
     )
     dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
-    dst_smem[...] = dst.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.wgmma(dk_acc, dst_smem, q_smem.at[slot])
+    plgpu.wgmma(dk_acc, _a_operand(dst, dtype, dst_smem), q_smem.at[slot])
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
 
 
@@ -690,9 +720,11 @@ def _dkv_kernel(*refs, st, rebuild):
     sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
     op_refs = refs[12 : 12 + n_ops]
     dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
-    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, pt_smem, dst_smem,
-     kv_bar, bars, *rest) = refs[14 + n_ops :]  # fmt: skip
+    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, bars,
+     *rest) = refs[14 + n_ops :]  # fmt: skip
     cfg = st.config
+    # P^T and dS^T's SMEM staging (`_staging`), unless they stay in registers.
+    staging, rest = (rest[-2:], rest[:-2]) if not cfg.p_in_registers else ((None, None), rest)
     free, pos = (rest[0], rest[1:]) if cfg.block_k_dkv > _WG_ROWS else (None, rest)
     # Segment ids: the program's own key ids, and a ring of query ids per step.
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
@@ -713,7 +745,11 @@ def _dkv_kernel(*refs, st, rebuild):
         key0 = j * cfg.block_k_dkv + (0 if wg is None else wg * _WG_ROWS)
         keys = pl.ds(key0, _WG_ROWS)
         scalars = _scalar_values(st, op_refs, b, h)
-        tiles = tuple(part(buf) for buf in (k_smem, v_smem, pt_smem, dst_smem))
+        tiles = (
+            part(k_smem),
+            part(v_smem),
+            *(buf if buf is None else part(buf) for buf in staging),
+        )
         own = [(k, part(buf)) for k, buf in zip(kv_pos, own_ids)]
 
         @pl.when(ranges[3] > ranges[0])
@@ -780,9 +816,8 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     p, dp = _overlapped(
         (q_smem, kt_smem.at[slot]), (do_smem, vt_smem.at[slot]), (shape, shape), probabilities
     )
-    ds_smem[...] = (p * (dp - _rows(delta_smem[...], shape)) * st.scale).astype(ds_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.wgmma(dq_acc, ds_smem, k_smem.at[slot])
+    ds = p * (dp - _rows(delta_smem[...], shape)) * st.scale
+    plgpu.wgmma(dq_acc, _a_operand(ds, k_smem.dtype, ds_smem), k_smem.at[slot])
     plgpu.wgmma_wait(0)
 
 
@@ -796,9 +831,11 @@ def _dq_kernel(*refs, st, rebuild):
     sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
     op_refs = refs[11 : 11 + n_ops]
     dq_ref = refs[11 + n_ops]
-    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, ds_smem, q_bar,
-     bars, *rest) = refs[12 + n_ops :]  # fmt: skip
+    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, q_bar, bars,
+     *rest) = refs[12 + n_ops :]  # fmt: skip
     cfg = st.config
+    # dS's SMEM staging (`_staging`), unless it stays in registers.
+    ds_smem, rest = (rest[-1], rest[:-1]) if not cfg.p_in_registers else (None, rest)
     free, pos = (rest[0], rest[1:]) if cfg.block_q_dq > _WG_ROWS else (None, rest)
     # Segment ids: the program's own query ids, and a ring of key ids per step.
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
@@ -820,10 +857,11 @@ def _dq_kernel(*refs, st, rebuild):
         row0 = i * cfg.block_q_dq + (0 if wg is None else wg * _WG_ROWS)
         rows = pl.ds(row0, _WG_ROWS)
         scalars = _scalar_values(st, op_refs, b, h)
-        tiles = tuple(part(buf) for buf in (q_smem, do_smem, lse_smem, delta_smem, ds_smem))
+        loaded = tuple(part(buf) for buf in (q_smem, do_smem, lse_smem, delta_smem))
+        tiles = (*loaded, None if ds_smem is None else part(ds_smem))
         own = [(k, part(buf)) for k, buf in zip(q_pos, own_ids)]
         own_views = _row_tile_views(refs[:4], [op_refs[k] for k in q_pos], b, h, rows)
-        copies = list(zip(own_views, (*tiles[:4], *(buf for _, buf in own))))
+        copies = list(zip(own_views, (*loaded, *(buf for _, buf in own))))
         for n, (src, dst) in enumerate(copies):
             plgpu.copy_gmem_to_smem(src, dst, q_bar.at[bar_of(n)])
         for n in range(len(copies)):
