@@ -235,14 +235,18 @@ MOSAIC_SCHEDULES = {
     "pingpong": dict(pingpong=True),
     "overlap_softmax": dict(overlap_softmax=True, memory_registers=24),
     "p_in_registers": dict(p_in_registers=True),
-    "overlap_in_registers": dict(overlap_softmax=True, memory_registers=24, p_in_registers=True),
+    "transposed_views": dict(transposed_views=True),
+    "fa3_operands": dict(
+        overlap_softmax=True, memory_registers=24, p_in_registers=True, transposed_views=True
+    ),
 }
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)
 @pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
 def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedule):
-    """FA3's forward schedules and register operands (not in the CPU interpreter)."""
+    """FA3's forward schedules, register operands and transposed views (the last two are
+    beyond jax 0.10's CPU interpreter)."""
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 
     mask, lq, lkv = MOSAIC_CASES[name]

@@ -14,6 +14,7 @@ import pytest
 from _attention_cases import MASKS, make_qkv
 from _check import check_against_oracle
 from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx.kernels.mosaic._compat import JAX_011
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
 
 CFG = MosaicAttentionConfig(block_k=64, interpret=True)
@@ -106,6 +107,16 @@ def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
     check(q, k, v, ct, mask, config)
 
 
+@pytest.mark.skipif(not JAX_011, reason="jax 0.10's interpreter cannot read transposed views")
+def test_transposed_views(getkey):
+    """transposed_views: K^T, Q^T, dO^T, V^T as views of the tiles TMA brought in."""
+    q, k, v = make_qkv(getkey(), batch=1, q_len=100, kv_len=150, q_heads=2, kv_heads=1,
+                       qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), (1, 100, 2, 16))
+    mask = masks.Causal("bottom_right")
+    check(q, k, v, ct, mask, dataclasses.replace(CFG, transposed_views=True, block_k_dkv=128))
+
+
 def test_rows_without_keys_are_zero(getkey):
     q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
     mask = masks.KVLengths(jnp.array([0, 4]))
@@ -132,6 +143,9 @@ def test_refusals_name_the_reason(getkey):
         MosaicAttentionConfig(pingpong=True, overlap_softmax=True)
     with pytest.raises(ValueError, match="p_in_registers needs the GPU"):
         dataclasses.replace(CFG, p_in_registers=True)
+    if not JAX_011:
+        with pytest.raises(ValueError, match="transposed_views needs the GPU or jax >= 0.11"):
+            dataclasses.replace(CFG, transposed_views=True)
     # Two-warpgroup backward tiles at head dim 256 do not fit: refused before compiling.
     q, k, v = make_qkv(getkey(), qk_dim=256, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
@@ -159,6 +173,11 @@ def test_shared_memory_is_counted_as_mosaic_counts_it():
     )
     freed = {kernel: staged[kernel] - in_registers[kernel] for kernel in staged}
     assert freed == {"forward": 32768, "dkv": 32768, "dq": 8192}
+    # Transposed views drop the rings' Q^T and dO^T tiles (dK/dV) and K^T (dQ), with
+    # their barriers; the forward's K tiles only change shape.
+    views = smem_bytes(MosaicAttentionConfig(block_k_dkv=128, transposed_views=True), 128, 128)
+    freed = {kernel: staged[kernel] - views[kernel] for kernel in staged}
+    assert freed == {"forward": 0, "dkv": 2 * 2 * 64 * 128 * 2 + 32, "dq": 2 * 64 * 128 * 2 + 16}
 
 
 def test_default_tiles_step_down_where_shared_memory_is_short(getkey):

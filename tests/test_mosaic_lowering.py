@@ -32,7 +32,7 @@ CASES = {
 
 @pytest.mark.parametrize("mask", CASES.values(), ids=CASES.keys())
 # FA3's forward register split with ping-pong or intra-warpgroup overlap; the backward's
-# two compute warpgroups; FA3's register operands.
+# two compute warpgroups; FA3's register operands and transposed views.
 @pytest.mark.parametrize(
     "tuned",
     [
@@ -43,6 +43,9 @@ CASES = {
         # P, P^T, dS^T, dS from registers (GPU only: the interpreter cannot run it).
         dict(p_in_registers=True),
         dict(p_in_registers=True, overlap_softmax=True, block_k_dkv=128, block_q_dq=128),
+        # Transposed operands as SMEM views (GPU or jax >= 0.11's interpreter).
+        dict(transposed_views=True),
+        dict(transposed_views=True, p_in_registers=True, block_k_dkv=128, block_q_dq=128),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):

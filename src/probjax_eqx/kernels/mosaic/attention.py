@@ -13,11 +13,12 @@ warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing each 
 tile). Every backward step issues its two score-side products (S and dP) together and
 computes P while dP runs.
 
-`wgmma` reads its B operand untransposed from shared memory, so the wrapper passes the
-operands that appear transposed (K in QK^T, Q and dO in the dK/dV kernel, V in dP) as
-`[batch, heads, dim, seq]` copies: one XLA transpose each, instead of transposed shared
-memory views that jax 0.10's interpreter (our CPU CI) cannot run. For the same reason P
-and dS go through shared memory rather than registers.
+By default the wrapper passes the operands that appear transposed (K in QK^T, Q and dO
+in the dK/dV kernel, K and V in the dQ kernel) as `[batch, heads, dim, seq]` copies (one
+XLA transpose each), and P and dS reach `wgmma` through shared memory: jax 0.10's
+interpreter (our CPU CI) runs neither transposed shared-memory views nor register
+operands. FA3 holds them as views and in registers; `transposed_views` and
+`p_in_registers` do so on the GPU, where they are tested (off until timed).
 
 Masks run inside the kernels on the same tile ranges as the Triton kernels
 (`_tiles.block_ranges`): tiles a mask empties are neither loaded nor computed, tiles it
@@ -59,6 +60,7 @@ from probjax_eqx.kernels.mosaic._common import (
 from probjax_eqx.kernels.mosaic._compat import (
     ACC,
     COMPILER_PARAMS,
+    JAX_011,
     InterpretGPUParams,  # pyright: ignore[reportAttributeAccessIssue]
     reset_gpu_interpret_mode_state,
 )
@@ -104,6 +106,12 @@ class MosaicAttentionConfig:
             being staged in shared memory (which they then no longer take). GPU only:
             jax's Mosaic GPU interpreter reads wgmma operands from shared memory alone.
             Off until timed on the H200.
+        transposed_views: the products' transposed operands (K^T forward; Q^T, dO^T,
+            K^T, V^T backward) are transposed views of the tiles TMA brings in, as in
+            FA3, instead of `[batch, heads, dim, seq]` copies made by XLA: no transposes
+            in HBM, and the backward rings carry half the tiles. GPU (or jax >= 0.11's
+            interpreter) only: jax 0.10's interpreter cannot read transposed views. Off
+            until timed on the H200.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -118,6 +126,7 @@ class MosaicAttentionConfig:
     pingpong: bool = False
     overlap_softmax: bool = False
     p_in_registers: bool = False
+    transposed_views: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -139,6 +148,11 @@ class MosaicAttentionConfig:
             raise ValueError(
                 "p_in_registers needs the GPU: the Mosaic GPU interpreter reads wgmma "
                 "operands from shared memory only"
+            )
+        if self.transposed_views and self.interpret and not JAX_011:
+            raise ValueError(
+                "transposed_views needs the GPU or jax >= 0.11: jax 0.10's Mosaic GPU "
+                "interpreter cannot read transposed shared-memory views"
             )
         regs = self.memory_registers
         if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
@@ -175,7 +189,7 @@ def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_p
     stages, bq, bk = cfg.num_stages, cfg.block_q, cfg.block_k
     scratch = [
         swizzled((2, bq, d), dtype),
-        swizzled((stages, d, bk), dtype),
+        swizzled((stages, bk, d) if cfg.transposed_views else (stages, d, bk), dtype),
         swizzled((stages, bk, dv), dtype),
         plgpu.SMEM((2, bq), jnp.float32),
         *([swizzled((2, bq, dv), dtype)] if dv != d else []),
@@ -204,17 +218,21 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
     stages, bq, bk = cfg.num_stages, cfg.block_q_dkv, cfg.block_k_dkv
     wgs = bk // _WG_ROWS
     keys = (wgs, _WG_ROWS) if wgs > 1 else (bk,)
+    views = cfg.transposed_views
+    ring = [
+        swizzled((stages, bq, d), dtype),
+        *([] if views else [swizzled((stages, d, bq), dtype)]),
+        swizzled((stages, bq, dv), dtype),
+        *([] if views else [swizzled((stages, dv, bq), dtype)]),
+        plgpu.SMEM((stages, bq), jnp.float32),
+        plgpu.SMEM((stages, bq), jnp.float32),
+    ]
     return [
         swizzled((*keys, d), dtype),
         swizzled((*keys, dv), dtype),
-        swizzled((stages, bq, d), dtype),
-        swizzled((stages, d, bq), dtype),
-        swizzled((stages, bq, dv), dtype),
-        swizzled((stages, dv, bq), dtype),
-        plgpu.SMEM((stages, bq), jnp.float32),
-        plgpu.SMEM((stages, bq), jnp.float32),
+        *ring,
         plgpu.Barrier(num_arrivals=1, num_barriers=(2 + n_kv_pos) * wgs),
-        plgpu.Barrier(num_arrivals=1, num_barriers=(6 + n_q_pos) * stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(len(ring) + n_q_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(keys, jnp.int32)] * n_kv_pos,
         *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
@@ -230,16 +248,19 @@ def _dq_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0)
     stages, bq, bk = cfg.num_stages, cfg.block_q_dq, cfg.block_k_dq
     wgs = bq // _WG_ROWS
     rows = (wgs, _WG_ROWS) if wgs > 1 else (bq,)
+    if cfg.transposed_views:  # K, V
+        ring = [swizzled((stages, bk, d), dtype), swizzled((stages, bk, dv), dtype)]
+    else:  # K^T, K, V^T
+        ring = [swizzled((stages, d, bk), dtype), swizzled((stages, bk, d), dtype),
+                swizzled((stages, dv, bk), dtype)]  # fmt: skip
     return [
         swizzled((*rows, d), dtype),
         swizzled((*rows, dv), dtype),
         plgpu.SMEM(rows, jnp.float32),
         plgpu.SMEM(rows, jnp.float32),
-        swizzled((stages, d, bk), dtype),
-        swizzled((stages, bk, d), dtype),
-        swizzled((stages, dv, bk), dtype),
+        *ring,
         plgpu.Barrier(num_arrivals=1, num_barriers=(4 + n_q_pos) * wgs),
-        plgpu.Barrier(num_arrivals=1, num_barriers=(3 + n_kv_pos) * stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(len(ring) + n_kv_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(rows, jnp.int32)] * n_q_pos,
         *[plgpu.SMEM((stages, bk), jnp.int32)] * n_kv_pos,
@@ -370,6 +391,14 @@ def _overlapped(first, second, shapes, consume_first, left_running=0):
     return pl.run_scoped(run, *(ACC(shape, jnp.float32) for shape in shapes))
 
 
+def _t_view(tile, views: bool):
+    """X^T as wgmma's B operand, from X's tile (`views`) or from X^T's own tile.
+
+    Without `transposed_views` TMA brings X^T's tiles in from an XLA-transposed copy.
+    """
+    return tile.T if views else tile
+
+
 def _store(*outputs):
     """Write `(value, smem, gmem)` outputs: stage each value in SMEM, copy them by TMA."""
     for value, smem, _ in outputs:
@@ -388,7 +417,8 @@ def _cols(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st, rebuild):
+def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st, rebuild):
+    # k_ref: K, or with the wrapper's transposed copy K^T `[batch, heads, dim, seq]`.
     n_ops = len(st.kinds)
     op_refs, (o_ref, lse_ref), scratch = refs[:n_ops], refs[n_ops : n_ops + 2], refs[n_ops + 2 :]
     cfg, dtype = st.config, q_ref.dtype
@@ -396,10 +426,10 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     p_smem = scratch[-1] if staged else None  # P's SMEM staging (`_staging`)
     scratch = scratch[:-1] if staged else scratch
     if st.d == st.dv:  # the output reuses the query buffer
-        q_smem, kt_smem, v_smem, lse_smem, *bars = scratch
+        q_smem, k_smem, v_smem, lse_smem, *bars = scratch
         o_smem = q_smem
     else:
-        q_smem, kt_smem, v_smem, lse_smem, o_smem, *bars = scratch
+        q_smem, k_smem, v_smem, lse_smem, o_smem, *bars = scratch
     q_bar, k_bar, v_bar, k_free, v_free, turn, *pos = bars
     # Segment ids: per q_pos operand a [2, bq] buffer, per kv_pos operand a ring of [bk].
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
@@ -408,6 +438,11 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         k: (pos[2 * (len(q_pos) + n)], pos[2 * (len(q_pos) + n) + 1]) for n, k in enumerate(kv_pos)
     }
     bq, bk, stages = cfg.block_q, cfg.block_k, cfg.num_stages
+    views = cfg.transposed_views
+
+    def kt_tile(slot):  # K^T of ring slot `slot`
+        return _t_view(k_smem.at[slot], views)
+
     t = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * bq))
     h, b = lax.axis_index("h"), lax.axis_index("b")
     lo, full_lo, full_hi, hi = lo_ref[b, t], flo_ref[b, t], fhi_ref[b, t], hi_ref[b, t]
@@ -435,7 +470,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
         def scores(j, slot, while_running=None):
             """Step j's scores; K's slot is released once they are read."""
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _dot(q_smem.at[wg], kt_smem.at[slot], shape, while_running)
+            s = _dot(q_smem.at[wg], kt_tile(slot), shape, while_running)
             plgpu.barrier_arrive(k_free.at[slot])
             return s
 
@@ -496,7 +531,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
                 return softmax(j, slot, s, m, denom, masked)
 
             (p, m, alpha, denom), pv = _overlapped(
-                (q_smem.at[wg], kt_smem.at[slot]),
+                (q_smem.at[wg], kt_tile(slot)),
                 (held_operand(held), v_smem.at[prev]),
                 (shape, acc.shape),
                 on_scores,
@@ -555,7 +590,8 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
 
         def issue_k(n, slot):
             tile = pl.ds((lo + n) * bk, bk)
-            plgpu.copy_gmem_to_smem(kt_ref.at[b, kv_h, :, tile], kt_smem.at[slot], k_bar.at[slot])
+            src = k_ref.at[b, tile, kv_h] if views else k_ref.at[b, kv_h, :, tile]
+            plgpu.copy_gmem_to_smem(src, k_smem.at[slot], k_bar.at[slot])
 
         def issue_v(n, slot):
             tile = pl.ds((lo + n) * bk, bk)
@@ -570,7 +606,7 @@ def _fwd_kernel(q_ref, kt_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, s
     warp_specialized(compute, feed, cfg.memory_registers)
 
 
-def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
+def _forward(st: _Static, rebuild, q, k, v, ranges, operands):
     cfg = st.config
     batch, _, heads, _ = q.shape
     dtype = q.dtype
@@ -588,17 +624,19 @@ def _forward(st: _Static, rebuild, q, kt, v, ranges, operands):
         thread_name="wg",
         compiler_params=COMPILER_PARAMS,
         interpret=InterpretGPUParams() if cfg.interpret else None,
-    )(q, kt, v, *ranges, *operands)
+    )(q, k if cfg.transposed_views else _transposed(k), v, *ranges, *operands)
 
 
-def _query_tile_views(refs, id_refs, b, h, rows):
+def _query_tile_views(refs, id_refs, b, h, rows, views: bool):
     """A dK/dV step's GMEM operands, in the order of the kernels' rings.
 
-    Query tile `rows` of Q, Q^T, dO, dO^T, lse, delta and the query-side segment ids.
+    Query tile `rows` of Q, Q^T, dO, dO^T, lse, delta and the query-side segment ids;
+    with `views` (transposed views in SMEM) not Q^T and dO^T.
     """
     q_ref, qt_ref, do_ref, dot_ref, lse_ref, delta_ref = refs
-    return (q_ref.at[b, rows, h], qt_ref.at[b, h, :, rows], do_ref.at[b, rows, h],
-            dot_ref.at[b, h, :, rows], lse_ref.at[b, h, rows], delta_ref.at[b, h, rows],
+    q, do = q_ref.at[b, rows, h], do_ref.at[b, rows, h]
+    tiles = (q, do) if views else (q, qt_ref.at[b, h, :, rows], do, dot_ref.at[b, h, :, rows])
+    return (*tiles, lse_ref.at[b, h, rows], delta_ref.at[b, h, rows],
             *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
 
 
@@ -624,9 +662,10 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
         plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
         return pt
 
+    views = st.config.transposed_views
     pt, dpt = _overlapped(
-        (k_smem, qt_smem.at[slot]),
-        (v_smem, dot_smem.at[slot]),
+        (k_smem, _t_view(qt_smem.at[slot], views)),
+        (v_smem, _t_view(dot_smem.at[slot], views)),
         (shape, shape),
         probabilities_then_dv,
         left_running=1,
@@ -720,9 +759,17 @@ def _dkv_kernel(*refs, st, rebuild):
     sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
     op_refs = refs[12 : 12 + n_ops]
     dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
-    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, bars,
-     *rest) = refs[14 + n_ops :]  # fmt: skip
     cfg = st.config
+    views = cfg.transposed_views
+    if views:  # Q^T and dO^T are views of Q's and dO's tiles
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, bars,
+         *rest) = refs[14 + n_ops :]  # fmt: skip
+        qt_smem, dot_smem = q_smem, do_smem
+        loaded = (q_smem, do_smem, lse_smem, delta_smem)
+    else:
+        (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+         bars, *rest) = refs[14 + n_ops :]  # fmt: skip
+        loaded = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
     # P^T and dS^T's SMEM staging (`_staging`), unless they stay in registers.
     staging, rest = (rest[-2:], rest[:-2]) if not cfg.p_in_registers else ((None, None), rest)
     free, pos = (rest[0], rest[1:]) if cfg.block_k_dkv > _WG_ROWS else (None, rest)
@@ -734,11 +781,11 @@ def _dkv_kernel(*refs, st, rebuild):
     kv_h = lax.div(h, jnp.int32(st.call.groups))
     ranges = tuple(ref[b, j] for ref in refs[8:12])
     operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
-    ring = _Ring((*operands, *step_ids), bars, cfg.num_stages, free)
+    ring = _Ring((*loaded, *step_ids), bars, cfg.num_stages, free)
     id_refs = [op_refs[k] for k in q_pos]
 
     def views_of(i):
-        return _query_tile_views(sources, id_refs, b, h, pl.ds(i * bq, bq))
+        return _query_tile_views(sources, id_refs, b, h, pl.ds(i * bq, bq), views)
 
     def compute(loop, wg):
         part, bar_of = _own_part(wg)
@@ -777,14 +824,19 @@ def _dkv_kernel(*refs, st, rebuild):
     _backward_program(ring, ranges, views_of, compute)
 
 
-def _key_tile_views(refs, id_refs, b, kv_h, keys):
+def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):
     """A dQ step's GMEM operands, in the order of the kernels' rings.
 
-    Key tile `keys` of K^T, K, V^T and the key-side segment ids.
+    Key tile `keys` of K^T, K, V^T and the key-side segment ids; with `views` (transposed
+    views in SMEM) of K and V, which `refs` then holds in K^T's and V^T's places.
     """
     kt_ref, k_ref, vt_ref = refs
-    return (kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h], vt_ref.at[b, kv_h, :, keys],
-            *(ref.at[b, keys] for ref in id_refs))  # fmt: skip
+    if views:
+        tiles = (k_ref.at[b, keys, kv_h], vt_ref.at[b, keys, kv_h])
+    else:
+        tiles = (kt_ref.at[b, kv_h, :, keys], k_ref.at[b, keys, kv_h],
+                 vt_ref.at[b, kv_h, :, keys])  # fmt: skip
+    return (*tiles, *(ref.at[b, keys] for ref in id_refs))
 
 
 def _row_tile_views(refs, id_refs, b, h, rows):
@@ -813,8 +865,12 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
             s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
         return jnp.exp2(s - _rows(lse_smem[...], shape))
 
+    views = st.config.transposed_views
     p, dp = _overlapped(
-        (q_smem, kt_smem.at[slot]), (do_smem, vt_smem.at[slot]), (shape, shape), probabilities
+        (q_smem, _t_view(kt_smem.at[slot], views)),
+        (do_smem, _t_view(vt_smem.at[slot], views)),
+        (shape, shape),
+        probabilities,
     )
     ds = p * (dp - _rows(delta_smem[...], shape)) * st.scale
     plgpu.wgmma(dq_acc, _a_operand(ds, k_smem.dtype, ds_smem), k_smem.at[slot])
@@ -828,12 +884,20 @@ def _dq_kernel(*refs, st, rebuild):
     fed by a TMA warpgroup (`_backward_program`).
     """
     n_ops = len(st.kinds)
-    sources = refs[4:7]  # K^T, K, V^T (refs[:4]: Q, dO, lse, delta)
+    sources = refs[4:7]  # K^T, K, V^T, or with views K, K, V (refs[:4]: Q, dO, lse, delta)
     op_refs = refs[11 : 11 + n_ops]
     dq_ref = refs[11 + n_ops]
-    (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, q_bar, bars,
-     *rest) = refs[12 + n_ops :]  # fmt: skip
     cfg = st.config
+    views = cfg.transposed_views
+    if views:  # K^T and V^T are views of K's and V's tiles
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_bar, bars,
+         *rest) = refs[12 + n_ops :]  # fmt: skip
+        kt_smem, vt_smem = k_smem, v_smem
+        loaded = (k_smem, v_smem)
+    else:
+        (q_smem, do_smem, lse_smem, delta_smem, kt_smem, k_smem, vt_smem, q_bar, bars,
+         *rest) = refs[12 + n_ops :]  # fmt: skip
+        loaded = (kt_smem, k_smem, vt_smem)
     # dS's SMEM staging (`_staging`), unless it stays in registers.
     ds_smem, rest = (rest[-1], rest[:-1]) if not cfg.p_in_registers else (None, rest)
     free, pos = (rest[0], rest[1:]) if cfg.block_q_dq > _WG_ROWS else (None, rest)
@@ -846,11 +910,11 @@ def _dq_kernel(*refs, st, rebuild):
     kv_h = lax.div(h, jnp.int32(st.call.groups))
     ranges = tuple(ref[b, i] for ref in refs[7:11])
     operands = (kt_smem, k_smem, vt_smem)
-    ring = _Ring((*operands, *step_ids), bars, cfg.num_stages, free)
+    ring = _Ring((*loaded, *step_ids), bars, cfg.num_stages, free)
     id_refs = [op_refs[k] for k in kv_pos]
 
     def views_of(j):
-        return _key_tile_views(sources, id_refs, b, kv_h, pl.ds(j * bk, bk))
+        return _key_tile_views(sources, id_refs, b, kv_h, pl.ds(j * bk, bk), views)
 
     def compute(loop, wg):
         part, bar_of = _own_part(wg)
@@ -890,6 +954,10 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     batch, _, heads, _ = q.shape
     kv_heads, dtype = k.shape[2], q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    # The kernels' transposed operands: XLA copies, or (views) the operands themselves in
+    # the copies' places, their transposes then views in SMEM.
+    views = cfg.transposed_views
+    t = (lambda x: x) if views else _transposed  # noqa: E731
     interpret = InterpretGPUParams() if cfg.interpret else None
     n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
     bk = cfg.block_k_dkv
@@ -907,7 +975,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
-    )(q, _transposed(q), k, v, do, _transposed(do), lse, delta, *dkv_ranges, *operands)
+    )(q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
     # Per-query-head dK/dV, summed in float32 over the query heads sharing a KV head.
     groups = st.call.groups
     dk = dk.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.d).sum(3)
@@ -924,7 +992,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
-    )(q, do, lse, delta, _transposed(k), k, _transposed(v), *dq_ranges, *operands)
+    )(q, do, lse, delta, t(k), k, v if views else t(v), *dq_ranges, *operands)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -971,7 +1039,7 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionCo
 
     @interpreted
     def forward(qp, kp, vp, fwd_ranges, operands):
-        return _forward(st, rebuild, qp, _transposed(kp), vp, fwd_ranges, operands)
+        return _forward(st, rebuild, qp, kp, vp, fwd_ranges, operands)
 
     @interpreted
     def backward(qp, kp, vp, o, lse, do, ranges, operands):
