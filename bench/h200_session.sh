@@ -152,7 +152,8 @@ case "${1:?stage 1 to 13}" in
     ;;
   12)
     # Not yet run (session 15): the Mosaic attention backward issuing S and dP together
-    # (and dV's product beside dS^T), the forward's intra-warpgroup overlap
+    # (and dV's product beside dS^T) and summing GQA's query heads inside the dK/dV
+    # program (one program per KV head), the forward's intra-warpgroup overlap
     # (overlap_softmax) and FA3's register operands (p_in_registers), both off until
     # timed. Their GPU tests (the register operands run only there), then the forward
     # configs at T 4096 and 16384 (#5's goal: 550 TFLOP/s at 16384, hd 128; run 16:

@@ -321,12 +321,12 @@ class _Static:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
 
-def _scalar_values(st: _Static, op_refs, b, h) -> dict:
-    """The program's per-batch / per-head mask scalars, read from GMEM once."""
+def _scalar_values(st: _Static, op_refs, b, h, kinds=("batch", "head")) -> dict:
+    """The per-batch / per-head mask scalars (of `kinds`) for batch b, query head h."""
     return {
         k: ref[b] if kind == "batch" else ref[h]
         for k, (ref, kind) in enumerate(zip(op_refs, st.kinds))
-        if kind in ("batch", "head")
+        if kind in kinds
     }
 
 
@@ -346,10 +346,13 @@ def _id_tiles(shape, own, step, slot):
     return tiles
 
 
-def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, slot):
-    """Scores `s` with the pairs the mask rejects at -inf (`_id_tiles` for own / step)."""
+def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, slot, h):
+    """Scores `s` of query head h, the pairs the mask rejects at -inf.
+
+    `own` / `step`: the segment-id buffers of `_id_tiles`.
+    """
     mask = _mask_of(st, rebuild, scalars, _id_tiles(s.shape, own, step, slot))
-    b, h = lax.axis_index("b"), lax.axis_index("h")
+    b = lax.axis_index("b")
     return jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
 
 
@@ -483,7 +486,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
                 step = [(k, buf) for k, (buf, _) in kv_ids.items()]
                 q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
                 kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-                s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
+                s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h)
             # The scale rides in exp2's argument (one FMA an element, no separate multiply);
             # the running max `m` is kept in scaled base-2 units.
             m_new = jnp.maximum(m, s.max(axis=1) * c)
@@ -640,8 +643,8 @@ def _query_tile_views(refs, id_refs, b, h, rows, views: bool):
             *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
 
 
-def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs, masked):
-    """Add query tile `i`'s share to a warpgroup's dK/dV accumulators (64 keys from key0).
+def _dkv_step(st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, accs, masked):
+    """Add query head h's tile `i` to a warpgroup's dK/dV accumulators (64 keys from key0).
 
     `ring`: Q, Q^T, dO, dO^T, lse, delta buffers; `tiles`: the keys' K, V and the P^T, dS^T
     staging buffers; `own` / `step`: segment-id buffers of the keys / the ring.
@@ -657,7 +660,7 @@ def _dkv_step(st, rebuild, scalars, i, key0, own, step, ring, slot, tiles, accs,
         if masked:
             kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
             q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-            scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot)
+            scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot, h)
         pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
         plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
         return pt
@@ -698,36 +701,49 @@ class _Ring:
             plgpu.barrier_wait(self.bars.at[k * self.stages + slot])
 
 
-def _backward_program(ring: _Ring, ranges, views_of, compute):
+def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
     """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
 
     `compute(loop, wg)` holds the accumulators and calls `loop(step)`, which runs
-    `step(i, slot, masked)` for every tile i with its operands (`views_of(i)`) in ring
-    slot `slot`. Without `ring.free` one warpgroup (wg None) prefetches the next tile's
+    `step(g, i, slot, masked)` for every member g (of `members`, e.g. the query heads
+    sharing a KV head) and tile i, with their operands (`views_of(g, i)`) in ring slot
+    `slot`. Without `ring.free` one warpgroup (wg None) prefetches the next step's
     operands before computing the current one; with it, warpgroups 0 and 1 compute
     (wg 0, 1) while warpgroup 2 streams the operands through the ring (`tma_ring`),
     with FA3's register split.
     """
     lo, stages = ranges[0], ring.stages
     count = ranges[3] - lo
+    steps = members * count
+
+    def views_at(n):  # step n of the program: member n // count, tile lo + n % count
+        per_member = jnp.maximum(count, 1)
+        return views_of(lax.div(n, per_member), lo + lax.rem(n, per_member))
 
     def loop_with(before, after):
         def loop(step):
-            def body(i, carry, masked):
-                slot = lax.rem(i - lo, stages)
-                before(i - lo, slot)
-                step(i, slot, masked)
-                after(slot)
-                return carry
+            def member(g, carry):
+                def body(i, carry, masked):
+                    n = g * count + i - lo
+                    slot = lax.rem(n, stages)
+                    before(n, slot)
+                    step(g, i, slot, masked)
+                    after(slot)
+                    return carry
 
-            _flash.tile_loop(ranges, body, None)
+                return _flash.tile_loop(ranges, body, carry)
+
+            if members == 1:
+                member(0, None)
+            else:
+                lax.fori_loop(0, members, member, None)
 
         return loop
 
     if ring.free is None:
         prefetch = prefetching_loop(
-            count,
-            lambda n: ring.issue(views_of(lo + n), lax.rem(n, stages)),
+            steps,
+            lambda n: ring.issue(views_at(n), lax.rem(n, stages)),
             lambda n: ring.wait(lax.rem(n, stages)),
         )
         compute(loop_with(lambda n, slot: prefetch(n), lambda slot: None), None)
@@ -736,7 +752,7 @@ def _backward_program(ring: _Ring, ranges, views_of, compute):
     warp_specialized(
         lambda wg: compute(loop_with(lambda n, slot: ring.wait(slot), release), wg),
         lambda: tma_ring(
-            count, stages, [(ring.free, lambda n, slot: ring.issue(views_of(lo + n), slot))]
+            steps, stages, [(ring.free, lambda n, slot: ring.issue(views_at(n), slot))]
         ),
     )
 
@@ -749,10 +765,12 @@ def _own_part(wg):
 
 
 def _dkv_kernel(*refs, st, rebuild):
-    """One dK/dV program: `block_k_dkv` keys against each query tile of its range.
+    """One dK/dV program: `block_k_dkv` keys of a KV head against each query tile.
 
-    64 keys: one warpgroup; 128: two compute warpgroups of 64 keys sharing each query
-    tile, fed by a TMA warpgroup (`_backward_program`).
+    Each query tile of the program's range, of every query head sharing the KV head (GQA:
+    their shares add up in the float32 accumulators). 64 keys: one warpgroup; 128: two
+    compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup
+    (`_backward_program`).
     """
     n_ops = len(st.kinds)
     k_ref, v_ref = refs[2:4]
@@ -777,21 +795,24 @@ def _dkv_kernel(*refs, st, rebuild):
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
     own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
     bq = cfg.block_q_dkv
-    j, h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
-    kv_h = lax.div(h, jnp.int32(st.call.groups))
+    j, kv_h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+    groups = st.call.groups
     ranges = tuple(ref[b, j] for ref in refs[8:12])
     operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
     ring = _Ring((*loaded, *step_ids), bars, cfg.num_stages, free)
     id_refs = [op_refs[k] for k in q_pos]
 
-    def views_of(i):
-        return _query_tile_views(sources, id_refs, b, h, pl.ds(i * bq, bq), views)
+    def query_head(g):
+        return kv_h * groups + g
+
+    def views_of(g, i):
+        return _query_tile_views(sources, id_refs, b, query_head(g), pl.ds(i * bq, bq), views)
 
     def compute(loop, wg):
         part, bar_of = _own_part(wg)
         key0 = j * cfg.block_k_dkv + (0 if wg is None else wg * _WG_ROWS)
         keys = pl.ds(key0, _WG_ROWS)
-        scalars = _scalar_values(st, op_refs, b, h)
+        batch_scalars = _scalar_values(st, op_refs, b, None, ("batch",))
         tiles = (
             part(k_smem),
             part(v_smem),
@@ -811,17 +832,21 @@ def _dkv_kernel(*refs, st, rebuild):
         step = list(zip(q_pos, step_ids))
 
         def accumulate(*accs):
-            loop(lambda i, slot, masked: _dkv_step(
-                st, rebuild, scalars, i, key0, own, step, operands, slot, tiles, accs, masked
-            ))  # fmt: skip
+            def member_step(g, i, slot, masked):
+                h = query_head(g)
+                scalars = {**batch_scalars, **_scalar_values(st, op_refs, b, h, ("head",))}
+                _dkv_step(st, rebuild, scalars, h, i, key0, own, step, operands, slot, tiles,
+                          accs, masked)  # fmt: skip
+
+            loop(member_step)
             return tuple(acc[...] for acc in accs)
 
         accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
         dk, dv = pl.run_scoped(accumulate, *accs)
         # K and V are no longer needed: their buffers stage the outputs.
-        _store((dk, tiles[0], dk_ref.at[b, keys, h]), (dv, tiles[1], dv_ref.at[b, keys, h]))
+        _store((dk, tiles[0], dk_ref.at[b, keys, kv_h]), (dv, tiles[1], dv_ref.at[b, keys, kv_h]))
 
-    _backward_program(ring, ranges, views_of, compute)
+    _backward_program(ring, ranges, views_of, compute, members=groups)
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):
@@ -862,7 +887,9 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
         if masked:
             q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
             kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-            s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot)
+            s = _masked(
+                st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, lax.axis_index("h")
+            )
         return jnp.exp2(s - _rows(lse_smem[...], shape))
 
     views = st.config.transposed_views
@@ -913,7 +940,7 @@ def _dq_kernel(*refs, st, rebuild):
     ring = _Ring((*loaded, *step_ids), bars, cfg.num_stages, free)
     id_refs = [op_refs[k] for k in kv_pos]
 
-    def views_of(j):
+    def views_of(_, j):
         return _key_tile_views(sources, id_refs, b, kv_h, pl.ds(j * bk, bk), views)
 
     def compute(loop, wg):
@@ -933,7 +960,7 @@ def _dq_kernel(*refs, st, rebuild):
         step = list(zip(kv_pos, step_ids))
 
         def accumulate(dq_acc):
-            loop(lambda j, slot, masked: _dq_step(
+            loop(lambda _, j, slot, masked: _dq_step(
                 st, rebuild, scalars, j, row0, own, step, operands, slot, tiles, dq_acc, masked
             ))  # fmt: skip
             return dq_acc[...]
@@ -965,21 +992,17 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     dk, dv = plgpu.kernel(
         functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
         out_type=(
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.d), dtype),
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, st.dv), dtype),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.d), dtype),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
         ),
         scratch_types=_dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
-        grid=(st.kv_pad // bk, heads, batch),
+        grid=(st.kv_pad // bk, kv_heads, batch),
         grid_names=("k", "h", "b"),
         num_threads=3 if wgs > 1 else None,
         thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )(q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
-    # Per-query-head dK/dV, summed in float32 over the query heads sharing a KV head.
-    groups = st.call.groups
-    dk = dk.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.d).sum(3)
-    dv = dv.astype(jnp.float32).reshape(batch, st.kv_pad, kv_heads, groups, st.dv).sum(3)
     bq = cfg.block_q_dq
     wgs = bq // _WG_ROWS
     dq = plgpu.kernel(
