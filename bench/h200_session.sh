@@ -21,7 +21,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 13}" in
+case "${1:?stage 1 to 14}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -154,28 +154,33 @@ case "${1:?stage 1 to 13}" in
     # Not yet run (session 15): the Mosaic attention backward issuing S and dP together
     # (and dV's product beside dS^T) and summing GQA's query heads inside the dK/dV
     # program (one program per KV head), the forward's intra-warpgroup overlap
-    # (overlap_softmax) and FA3's register operands (p_in_registers), both off until
-    # timed. Their GPU tests (the register operands run only there), then the forward
+    # (overlap_softmax), FA3's register mode (p_in_registers: P / dS from registers, the
+    # output accumulated in place) and transposed SMEM views (transposed_views), all off
+    # until timed. Their GPU tests (the register operands run only there), then the forward
     # configs at T 4096 and 16384 (#5's goal: 550 TFLOP/s at 16384, hd 128; run 16:
     # 0.602 ms at 4096, the default 0.617 in the suite).
     step 220 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      timeout 210 bash bench/gpu_tests.sh -k mosaic; \
+      timeout 210 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
       tail -3 $OUT/gpu_tests.txt'
-    step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
+    step 330 sweep_mosaic_4k python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
       --causal 0 1 --part fwd
-    step 150 sweep_mosaic_16k python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_16k.json" --implementation mosaic --seq 16384 \
-      --head-dim 128 --causal 0 --part fwd
     ;;
   13)
-    # The backward configs at T 4096 (run 16: fwd+bwd 2.82 ms at 128/128), then fwd+bwd
-    # beside tokamax Mosaic and torch cuDNN in one run (run 16: 2.855 / 2.136 / 1.849).
-    step 250 sweep_mosaic_bwd python3 -m bench.sweep_attention \
+    # The forward configs at T 16384 (#5: 550 TFLOP/s, hd 128 non-causal), then the
+    # backward configs at T 4096 (run 16: fwd+bwd 2.82 ms at 128/128).
+    step 230 sweep_mosaic_16k python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_16k.json" --implementation mosaic --seq 16384 \
+      --head-dim 128 --causal 0 --part fwd
+    step 330 sweep_mosaic_bwd python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
       --head-dim 128 --causal 0 1 --part bwd
-    suite 250 attention_mosaic --suite attention --seq 4096 --set head_dim=128 \
+    ;;
+  14)
+    # Fwd+bwd of Mosaic's default beside tokamax Mosaic and torch cuDNN in one run (run 16:
+    # 2.855 / 2.136 / 1.849 ms); set the winning stage-12/13 config as default first.
+    suite 300 attention_mosaic --suite attention --seq 4096 16384 --set head_dim=128 \
       --only "probjax mosaic" "tokamax mosaic" "torch sdpa cudnn" "probjax auto"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;

@@ -41,7 +41,7 @@ CASES = {
         dict(memory_registers=24, overlap_softmax=True),
         dict(block_k_dkv=128, block_q_dq=128),
         # P, P^T, dS^T, dS from registers (GPU only: the interpreter cannot run it).
-        dict(p_in_registers=True),
+        dict(p_in_registers=True, pingpong=True, memory_registers=40),
         dict(p_in_registers=True, overlap_softmax=True, block_k_dkv=128, block_q_dq=128),
         # Transposed operands as SMEM views (GPU or jax >= 0.11's interpreter).
         dict(transposed_views=True),

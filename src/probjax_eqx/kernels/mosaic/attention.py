@@ -101,11 +101,13 @@ class MosaicAttentionConfig:
             and softmax run while step j - 1's P @ V product is on the tensor cores. It
             holds one more float32 tile per thread (pair it with `memory_registers`);
             not with `pingpong`. Off until timed on the H200.
-        p_in_registers: the products' left operands computed in the kernel (P forward;
-            P^T, dS^T and dS backward) feed `wgmma` from registers, as in FA3, instead of
-            being staged in shared memory (which they then no longer take). GPU only:
-            jax's Mosaic GPU interpreter reads wgmma operands from shared memory alone.
-            Off until timed on the H200.
+        p_in_registers: FA3's register mode. The products' left operands computed in
+            the kernel (P forward; P^T, dS^T and dS backward) feed `wgmma` from
+            registers instead of being staged in shared memory (which they then no
+            longer take), and the forward's output accumulates in place in wgmma's
+            accumulator, rescaled there (no separate P @ V tile). GPU only: jax 0.10's
+            Mosaic GPU interpreter takes neither register operands nor accumulator
+            stores. Off until timed on the H200.
         transposed_views: the products' transposed operands (K^T forward; Q^T, dO^T,
             K^T, V^T backward) are transposed views of the tiles TMA brings in, as in
             FA3, instead of `[batch, heads, dim, seq]` copies made by XLA: no transposes
@@ -146,8 +148,8 @@ class MosaicAttentionConfig:
             raise ValueError("pingpong and overlap_softmax are two schedules: pick one")
         if self.p_in_registers and self.interpret:
             raise ValueError(
-                "p_in_registers needs the GPU: the Mosaic GPU interpreter reads wgmma "
-                "operands from shared memory only"
+                "p_in_registers needs the GPU: the Mosaic GPU interpreter takes wgmma "
+                "operands only from shared memory and no accumulator stores"
             )
         if self.transposed_views and self.interpret and not JAX_011:
             raise ValueError(
@@ -425,9 +427,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
     n_ops = len(st.kinds)
     op_refs, (o_ref, lse_ref), scratch = refs[:n_ops], refs[n_ops : n_ops + 2], refs[n_ops + 2 :]
     cfg, dtype = st.config, q_ref.dtype
-    staged = not cfg.p_in_registers
-    p_smem = scratch[-1] if staged else None  # P's SMEM staging (`_staging`)
-    scratch = scratch[:-1] if staged else scratch
+    # P's SMEM staging (`_staging`), unless it stays in registers.
+    p_smem, scratch = (None, scratch) if cfg.p_in_registers else (scratch[-1], scratch[:-1])
     if st.d == st.dv:  # the output reuses the query buffer
         q_smem, k_smem, v_smem, lse_smem, *bars = scratch
         o_smem = q_smem
@@ -495,84 +496,153 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             p = jnp.exp2(s * c - _rows(m_safe, shape))
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
-        p_staging = None if p_smem is None else p_smem.at[wg]
+        def overlapped(body, first_step, last_product, init):
+            """Run `body(j, carry, masked)` with step j - 1's P @ V beside step j's softmax.
 
-        def body(j, carry, masked):
-            acc, m, denom = carry
-            slot = lax.rem(j - lo, stages)
-            s = scores(j, slot, handoff)
-            p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
-            acc = acc * _rows(alpha, acc.shape)
-            p = _a_operand(p, dtype, p_staging)
-            if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
-                plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if cfg.pingpong:
-                plgpu.barrier_wait(turn)
-            acc = acc + _dot(p, v_smem.at[slot], acc.shape)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m, denom
-
-        # The overlapped schedule holds each step's P until the next step's P @ V: in the
-        # loop's carry (registers) or in its SMEM staging (the carry holds nothing).
-        def hold(p):
-            operand = _a_operand(p, dtype, p_staging)
-            return () if staged else operand
-
-        def held_operand(held):
-            return p_staging if staged else held
-
-        def overlapped_body(j, carry, masked):
-            """Step j's scores and softmax while step j - 1's P @ V runs."""
-            acc, m, denom, held = carry
-            slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[prev])
-
-            def on_scores(s):
-                plgpu.barrier_arrive(k_free.at[slot])
-                return softmax(j, slot, s, m, denom, masked)
-
-            (p, m, alpha, denom), pv = _overlapped(
-                (q_smem.at[wg], kt_tile(slot)),
-                (held_operand(held), v_smem.at[prev]),
-                (shape, acc.shape),
-                on_scores,
-            )
-            plgpu.barrier_arrive(v_free.at[prev])
-            held = hold(p)  # after P @ V, which read the previous P
-            return (acc + pv) * _rows(alpha, acc.shape), m, denom, held
-
-        init = (
-            jnp.zeros((bq, st.dv), jnp.float32),
-            jnp.full((bq,), -jnp.inf, jnp.float32),
-            jnp.zeros((bq,), jnp.float32),
-        )
-        if not cfg.overlap_softmax:
-            acc, m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
-        else:
-            # Step lo (mask evaluated: exact on any tile) starts the pipeline; the loop's
-            # steps each finish the previous one; the last P @ V follows the loop.
-            def first_step(carry):
-                acc, m, denom, _ = carry
-                p, m, _, denom = softmax(lo, 0, scores(lo, 0), m, denom, True)
-                return acc, m, denom, hold(p)
-
-            def last_product(carry):
-                acc, m, denom, held = carry
-                slot = lax.rem(hi - 1 - lo, stages)
-                plgpu.barrier_wait(v_bar.at[slot])
-                acc = acc + _dot(held_operand(held), v_smem.at[slot], acc.shape)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m, denom, held
-
-            nothing_held = () if staged else jnp.zeros(shape, dtype)
+            Step lo (mask evaluated: exact on any tile) starts the pipeline
+            (`first_step(carry)`); the loop's steps each finish the previous one; the last
+            P @ V follows the loop (`last_product(carry, slot)`).
+            """
             started = hi > lo
-            carry = lax.cond(started, first_step, lambda c: c, (*init, nothing_held))
+            carry = lax.cond(started, first_step, lambda c: c, init)
             after = lo + 1
             ranges = (after, jnp.maximum(full_lo, after), jnp.maximum(full_hi, after), hi)
-            carry = _flash.tile_loop(ranges, overlapped_body, carry)
-            acc, m, denom, _ = lax.cond(started, last_product, lambda c: c, carry)
+            carry = _flash.tile_loop(ranges, body, carry)
+            last = lax.rem(hi - 1 - lo, stages)
+            return lax.cond(started, lambda c: last_product(c, last), lambda c: c, carry)
+
+        m0, denom0 = jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
+
+        def staged_loop(p_smem):
+            """P staged in SMEM; each P @ V a fresh product added to the output in registers."""
+            p_smem_wg = p_smem.at[wg]
+
+            def stage(p):  # P into its SMEM staging: P @ V's left operand
+                return _a_operand(p, dtype, p_smem_wg)
+
+            def body(j, carry, masked):
+                acc, m, denom = carry
+                slot = lax.rem(j - lo, stages)
+                s = scores(j, slot, handoff)
+                p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
+                acc = acc * _rows(alpha, acc.shape)
+                p = stage(p)
+                if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
+                    plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if cfg.pingpong:
+                    plgpu.barrier_wait(turn)
+                acc = acc + _dot(p, v_smem.at[slot], acc.shape)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, denom
+
+            def overlapped_body(j, carry, masked):
+                acc, m, denom = carry
+                slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+
+                def on_scores(s):
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return softmax(j, slot, s, m, denom, masked)
+
+                (p, m, alpha, denom), pv = _overlapped(
+                    (q_smem.at[wg], kt_tile(slot)),
+                    (p_smem_wg, v_smem.at[prev]),
+                    (shape, acc.shape),
+                    on_scores,
+                )
+                plgpu.barrier_arrive(v_free.at[prev])
+                stage(p)  # after P @ V, which read the previous P
+                return (acc + pv) * _rows(alpha, acc.shape), m, denom
+
+            def first_step(carry):
+                acc, m, denom = carry
+                p, m, _, denom = softmax(lo, 0, scores(lo, 0), m, denom, True)
+                stage(p)
+                return acc, m, denom
+
+            def last_product(carry, slot):
+                acc, m, denom = carry
+                plgpu.barrier_wait(v_bar.at[slot])
+                acc = acc + _dot(p_smem_wg, v_smem.at[slot], acc.shape)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, denom
+
+            init = (jnp.zeros((bq, st.dv), jnp.float32), m0, denom0)
+            if cfg.overlap_softmax:
+                return overlapped(overlapped_body, first_step, last_product, init)
+            return _flash.tile_loop((lo, full_lo, full_hi, hi), body, init)
+
+        def in_place_loop(o_acc):
+            """FA3's register mode: P from registers, the output accumulated in place.
+
+            The output stays in wgmma's accumulator `o_acc` and is rescaled there: no
+            separate product tile to add.
+            """
+
+            def rescale(o, alpha):
+                o_acc[...] = o * _rows(alpha, o.shape)
+
+            def body(j, carry, masked):
+                m, denom = carry
+                slot = lax.rem(j - lo, stages)
+                s = scores(j, slot, handoff)
+                p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
+                rescale(o_acc[...], alpha)
+                if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
+                    plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if cfg.pingpong:
+                    plgpu.barrier_wait(turn)
+                plgpu.wgmma(o_acc, p.astype(dtype), v_smem.at[slot])
+                plgpu.wgmma_wait(0)  # before V's slot is released
+                plgpu.barrier_arrive(v_free.at[slot])
+                return m, denom
+
+            def overlapped_body(j, carry, masked):
+                m, denom, held = carry
+                slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+
+                def run(s_acc):
+                    plgpu.wgmma(s_acc, q_smem.at[wg], kt_tile(slot))
+                    plgpu.wgmma(o_acc, held, v_smem.at[prev])  # step j - 1's P @ V
+                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m_new, alpha, denom_new = softmax(j, slot, s, m, denom, masked)
+                    o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    rescale(o, alpha)
+                    return p.astype(dtype), m_new, denom_new
+
+                p, m, denom = pl.run_scoped(run, ACC(shape, jnp.float32))
+                return m, denom, p
+
+            def first_step(carry):
+                m, denom, _ = carry
+                p, m, _, denom = softmax(lo, 0, scores(lo, 0), m, denom, True)
+                return m, denom, p.astype(dtype)
+
+            def last_product(carry, slot):
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.wgmma(o_acc, carry[2], v_smem.at[slot])
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return carry
+
+            if cfg.overlap_softmax:
+                init = (m0, denom0, jnp.zeros(shape, dtype))
+                m, denom, _ = overlapped(overlapped_body, first_step, last_product, init)
+            else:
+                m, denom = _flash.tile_loop((lo, full_lo, full_hi, hi), body, (m0, denom0))
+            return o_acc[...], m, denom
+
+        if p_smem is None:
+            acc, m, denom = pl.run_scoped(in_place_loop, ACC((bq, st.dv), jnp.float32))
+        else:
+            acc, m, denom = staged_loop(p_smem)
         if cfg.pingpong:  # warpgroup 0 ends with the meeting warpgroup 1 started with
             pl.when(wg == 0)(take_turns)
         empty = denom == 0.0
