@@ -511,6 +511,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             last = lax.rem(hi - 1 - lo, stages)
             return lax.cond(started, lambda c: last_product(c, last), lambda c: c, carry)
 
+        def await_v(slot):
+            """V's `slot` has arrived (ping-pong: and the tensor cores' turn, softmax done)."""
+            if cfg.pingpong:
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+
+        def await_overlapped(j):
+            """The slots of step j's K and of step j - 1's V, once both have arrived."""
+            slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[prev])
+            return slot, prev
+
         m0, denom0 = jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
 
         def staged_loop(p_smem):
@@ -527,20 +542,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
                 p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
                 acc = acc * _rows(alpha, acc.shape)
                 p = stage(p)
-                if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
-                    plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if cfg.pingpong:
-                    plgpu.barrier_wait(turn)
+                await_v(slot)
                 acc = acc + _dot(p, v_smem.at[slot], acc.shape)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, denom
 
             def overlapped_body(j, carry, masked):
                 acc, m, denom = carry
-                slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[prev])
+                slot, prev = await_overlapped(j)
 
                 def on_scores(s):
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -590,11 +599,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
                 s = scores(j, slot, handoff)
                 p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
                 rescale(o_acc[...], alpha)
-                if cfg.pingpong:  # softmax done: wait for the tensor cores' turn
-                    plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if cfg.pingpong:
-                    plgpu.barrier_wait(turn)
+                await_v(slot)
                 plgpu.wgmma(o_acc, p.astype(dtype), v_smem.at[slot])
                 plgpu.wgmma_wait(0)  # before V's slot is released
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -602,9 +607,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
 
             def overlapped_body(j, carry, masked):
                 m, denom, held = carry
-                slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[prev])
+                slot, prev = await_overlapped(j)
 
                 def run(s_acc):
                     plgpu.wgmma(s_acc, q_smem.at[wg], kt_tile(slot))
