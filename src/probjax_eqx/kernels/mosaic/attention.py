@@ -98,9 +98,10 @@ class MosaicAttentionConfig:
             H200 (run 16, B4 H8 T4096 hd128) the forward took 0.629 ms with it and
             0.620 ms without.
         overlap_softmax: in the forward, FA3's intra-warpgroup overlap: step j's scores
-            and softmax run while step j - 1's P @ V product is on the tensor cores. It
-            holds one more float32 tile per thread (pair it with `memory_registers`);
-            not with `pingpong`. Off until timed on the H200.
+            and softmax run while step j - 1's P @ V product is on the tensor cores.
+            Staged in SMEM (without `p_in_registers`) that product is a float32 tile
+            more per thread (pair it with `memory_registers`). Not with `pingpong`. Off
+            until timed on the H200.
         p_in_registers: FA3's register mode. The products' left operands computed in
             the kernel (P forward; P^T, dS^T and dS backward) feed `wgmma` from
             registers instead of being staged in shared memory (which they then no
@@ -172,7 +173,7 @@ def _dims(call: AttentionCall) -> tuple[int, int]:
 def _staging(cfg: MosaicAttentionConfig, shape, dtype, count=1) -> list:
     """SMEM staging of `count` in-kernel wgmma operands (last in a scratch list).
 
-    None where `p_in_registers` keeps them in registers.
+    Empty where `p_in_registers` keeps them in registers.
     """
     return [] if cfg.p_in_registers else [swizzled(shape, dtype)] * count
 
