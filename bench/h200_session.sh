@@ -5,6 +5,8 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
+# Not yet run, in order of need: 10 (session 14's MoE changes on the default path: GPU
+# tests first), 12, 13, 14 (session 15's Mosaic attention options), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -21,7 +23,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 14}" in
+case "${1:?stage 1 to 15}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -182,6 +184,11 @@ case "${1:?stage 1 to 14}" in
     # 2.855 / 2.136 / 1.849 ms); set the winning stage-12/13 config as default first.
     suite 300 attention_mosaic --suite attention --seq 4096 16384 --set head_dim=128 \
       --only "probjax mosaic" "tokamax mosaic" "torch sdpa cudnn" "probjax auto"
+    ;;
+  15)
+    # The set-transformer shapes (hd 32) with every peer in one run: the report's rows
+    # mix runs 12 and 18 (tokamax Triton and torch flash 0.93x our time at 128 x 1024).
+    suite 400 set_transformer --suite set_transformer
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
