@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 10 (session 14's MoE changes on the default path: GPU
-# tests first), 12, 13, 14 (session 15's Mosaic attention options), 11, 15.
+# tests first), 12, 13, 14 (session 15's Mosaic attention options and SoftCap), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -184,6 +184,13 @@ case "${1:?stage 1 to 15}" in
     # 2.855 / 2.136 / 1.849 ms); set the winning stage-12/13 config as default first.
     suite 300 attention_mosaic --suite attention --seq 4096 16384 --set head_dim=128 \
       --only "probjax mosaic" "tokamax mosaic" "torch sdpa cudnn" "probjax auto"
+    # SoftCap (Gemma's 30) inside Mosaic against Triton, each at its default config: the
+    # score_mod regime puts Triton first until this says otherwise.
+    for impl in mosaic triton; do
+      step 120 "softcap_$impl" python3 -m bench.sweep_attention \
+        --out "$out/softcap_$impl.json" --implementation $impl --defaults --softcap 30 \
+        --seq 4096 --head-dim 128 --causal 0 1
+    done
     ;;
   15)
     # The set-transformer shapes (hd 32) with every peer in one run: the report's rows

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.harness import RowWriter, classify, time_fn, warm_up_device
-from probjax_eqx import dot_product_attention, explain_attention, masks
+from probjax_eqx import biases, explain_attention, flex_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -128,15 +128,17 @@ def _configs(implementation, float32=False):
     return out
 
 
-def _config(q, k, v, mask, implementation, kwargs):
+def _config(q, k, v, mask, mod, implementation, kwargs):
     """The default config for this call with `kwargs` replaced (the other half fits)."""
-    base = explain_attention(q, k, v, mask=mask, implementation=implementation).config
-    return dataclasses.replace(base, **kwargs)
+    choice = explain_attention(q, k, v, mask=mask, score_mod=mod, implementation=implementation)
+    return dataclasses.replace(choice.config, **kwargs)
 
 
-def _measure(q, k, v, ct, mask, cfg, part, implementation):
+def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
     def f(q, k, v):
-        return dot_product_attention(q, k, v, mask=mask, implementation=implementation, config=cfg)
+        return flex_attention(
+            q, k, v, mask=mask, score_mod=mod, implementation=implementation, config=cfg
+        )
 
     if part == "fwd":
         fwd = jax.jit(f)
@@ -157,6 +159,8 @@ def main():
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: each --seq)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--softcap", type=float, help="a SoftCap score mod of this cap")
+    parser.add_argument("--defaults", action="store_true", help="only the default config")
     args = parser.parse_args()
     warm_up_device()
     writer = RowWriter(args.out)
@@ -172,9 +176,13 @@ def _sweep(args, seq, kv_seq, writer):
         k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), args.dtype)
                 for kk in keys[1:3])  # fmt: skip
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        mod = None if args.softcap is None else biases.SoftCap(args.softcap)
+        configs = _configs(args.implementation, args.dtype == "float32")
+        if args.defaults:
+            configs = [(part, {}) for part in ("fwd", "bwd")]
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
-            for part, kwargs in _configs(args.implementation, args.dtype == "float32"):
+            for part, kwargs in configs:
                 if part not in args.part:
                     continue
                 row = dict(
@@ -186,12 +194,13 @@ def _sweep(args, seq, kv_seq, writer):
                     head_dim=d,
                     dtype=args.dtype,
                     causal=causal,
+                    softcap=args.softcap,
                     config=kwargs,
                     status="ok",
                 )
                 try:
-                    cfg = _config(q, k, v, mask, args.implementation, kwargs)
-                    row.update(_measure(q, k, v, ct, mask, cfg, part, args.implementation))
+                    cfg = _config(q, k, v, mask, mod, args.implementation, kwargs)
+                    row.update(_measure(q, k, v, ct, mask, mod, cfg, part, args.implementation))
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)
                 writer.add(row)

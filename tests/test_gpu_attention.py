@@ -8,7 +8,7 @@ import pytest
 from _attention_cases import loss_and_grads, make_qkv
 from _check import check_against_oracle, oracle
 from _tolerance import assert_close
-from probjax_eqx import dot_product_attention, explain_attention, masks
+from probjax_eqx import biases, dot_product_attention, explain_attention, flex_attention, masks
 
 pytestmark = pytest.mark.gpu
 
@@ -262,6 +262,22 @@ def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedu
         q, k, v, mask=mask, implementation="mosaic", config=config
     )
     check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+
+
+@pytest.mark.parametrize("schedule", ["default", "fa3_operands"])
+def test_mosaic_softcap_on_gpu(getkey, schedule):
+    """SoftCap inside the Mosaic kernels (tanh and its derivative), beside a causal mask."""
+    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
+
+    q, k, v = make_qkv(getkey(), batch=2, q_len=600, kv_len=600, q_heads=8, kv_heads=2,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    mask, mod = masks.Causal(), biases.SoftCap(5.0)
+    config = MosaicAttentionConfig(**MOSAIC_SCHEDULES.get(schedule, {}))
+    f = lambda q, k, v: flex_attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=config
+    )
+    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod, jit=True)
 
 
 def test_mosaic_fp16_unaligned_head_dim(getkey):

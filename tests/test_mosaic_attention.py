@@ -117,6 +117,26 @@ def test_transposed_views(getkey):
     check(q, k, v, ct, mask, dataclasses.replace(CFG, transposed_views=True, block_k_dkv=128))
 
 
+@pytest.mark.parametrize(
+    "mod, mask",
+    [
+        (biases.SoftCap(2.0), masks.Causal()),
+        (
+            biases.Compose((biases.SoftCap(3.0), biases.SoftCap(1.5))),
+            masks.KVLengths(jnp.array([9, 4])),
+        ),
+    ],
+)
+def test_softcap_fwd_and_grads(getkey, mod, mask):
+    """SoftCap in the kernel: its scores forward, its derivative scaling dS backward."""
+    q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
+    ct = jax.random.normal(getkey(), (2, 7, 4, 16))
+    f = lambda q, k, v: flex_attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=CFG
+    )
+    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod)
+
+
 def test_rows_without_keys_are_zero(getkey):
     q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
     mask = masks.KVLengths(jnp.array([0, 4]))
@@ -130,8 +150,9 @@ def test_refusals_name_the_reason(getkey):
     mask_fn = masks.MaskFn(lambda b, h, q, kv: (q + kv) % 2 == 0)
     with pytest.raises(UnsupportedError, match="MaskFn is not in the Mosaic kernel"):
         flex_attention(q, k, v, mask=mask_fn, implementation="mosaic", config=CFG)
-    with pytest.raises(UnsupportedError, match="score_mod is not in the Mosaic kernel"):
-        flex_attention(q, k, v, score_mod=biases.SoftCap(5.0), implementation="mosaic", config=CFG)
+    with pytest.raises(UnsupportedError, match=r"score mods \['head_scale'\] are not in the"):
+        head_scale = biases.HeadScale(jnp.ones(4))
+        flex_attention(q, k, v, score_mod=head_scale, implementation="mosaic", config=CFG)
     with pytest.raises(UnsupportedError, match="dtype float32 not supported"):
         q32, k32, v32 = make_qkv(getkey())
         dot_product_attention(q32, k32, v32, implementation="mosaic", config=CFG)

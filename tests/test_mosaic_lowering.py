@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from probjax_eqx import masks
+from probjax_eqx import biases, masks
 from probjax_eqx.kernels.mosaic import attention as mosaic_attention
 from probjax_eqx.kernels.mosaic import grouped_matmul as mosaic_gmm
 
@@ -55,6 +55,21 @@ def test_attention_kernels_lower(mask, tuned):
     config = mosaic_attention.MosaicAttentionConfig(**tuned)
     f = functools.partial(
         mosaic_attention.flash_attention, mask=mask, score_mod=None, scale=0.125, config=config
+    )
+    assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
+
+
+@pytest.mark.parametrize("tuned", [{}, dict(p_in_registers=True, overlap_softmax=True)])
+def test_softcap_lowers(tuned):
+    """SoftCap's tanh and its derivative inside the forward and both backward kernels."""
+    q = k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    config = mosaic_attention.MosaicAttentionConfig(**tuned)
+    f = functools.partial(
+        mosaic_attention.flash_attention,
+        mask=masks.Causal(),
+        score_mod=biases.SoftCap(30.0),
+        scale=0.125,
+        config=config,
     )
     assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
 

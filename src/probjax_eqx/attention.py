@@ -86,6 +86,17 @@ def _padded(call) -> bool:
 
 register_regime("attention", "padded", _padded)
 
+# Score mods: cuDNN takes none here; Mosaic takes SoftCap but is not yet timed against
+# Triton's score mods, so Triton (every score mod, parameters' gradients included) stays
+# first until it is.
+
+
+def _score_mod(call) -> bool:
+    return call.score_mod is not None
+
+
+register_regime("attention", "score_mod", _score_mod)
+
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 
 

@@ -26,8 +26,9 @@ leaves entirely valid skip mask evaluation, and a dK/dV program with no query ti
 zeros without running its pipeline. Rows without a valid key give zeros (log-sum-exp
 +inf). Mask arrays are per-batch or per-head scalars (KV/Q lengths, prefix lengths), read from
 global memory, or segment ids, whose tiles TMA brings into shared memory beside the
-operands (the program's own ids once, the looped axis' ids per step). Score mods are not
-in this kernel yet and are refused with that reason.
+operands (the program's own ids once, the looped axis' ids per step). Score mods: SoftCap
+(and compositions of it) in the kernel, d(score)/d(q.k) from its JVP scaling dS; others
+(with parameters, tables or arbitrary functions) are refused with that reason.
 
 Exponentials use `exp2` on float32 scores without `approx_math`: the approximate `ex2`
 would put its error on rows with a single valid key (p = 1 exactly there), whose dQ/dK
@@ -318,6 +319,7 @@ class _Static:
     d: int
     dv: int
     kinds: tuple[str, ...]
+    score_mod: Any = None  # array-free (`_SCORE_MODS`): evaluated in the kernel as is
 
     @property
     def ctx(self) -> MaskContext:
@@ -357,6 +359,28 @@ def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, sl
     mask = _mask_of(st, rebuild, scalars, _id_tiles(s.shape, own, step, slot))
     b = lax.axis_index("b")
     return jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
+
+
+def _log2_scores(st: _Static, raw, h, q_idx, kv_idx):
+    """A tile's scores in log2 units and d(score)/d(q.k) for the backward.
+
+    With a score mod that slope is the mod's derivative at each score (a tile, from its
+    JVP); without one it is None, standing for the scale (`_times_slope`).
+    """
+    if st.score_mod is None:
+        return raw * (st.scale * LOG2E), None
+    b = lax.axis_index("b")
+
+    def modded(x):
+        return st.score_mod(x * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
+
+    scores, slope = jax.jvp(modded, (raw,), (jnp.ones_like(raw),))
+    return scores * LOG2E, slope
+
+
+def _times_slope(st: _Static, x, slope):
+    """`x` times `_log2_scores`' slope."""
+    return x * (st.scale if slope is None else slope)
 
 
 def _positional(st: _Static, kind: str) -> list[int]:
@@ -483,18 +507,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             """Step j's probabilities P (unnormalised), running max, rescale and sum."""
             for _, bar in kv_ids.values():  # every step: the barriers' phases must advance
                 plgpu.barrier_wait(bar.at[slot])
+            q_idx = kv_idx = None  # positions only where a mask or a score mod reads them
+            if masked or st.score_mod is not None:
+                q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+            # Without a score mod the scale rides in exp2's argument (one FMA an element,
+            # no separate multiply); the running max `m` is kept in scaled base-2 units.
+            if st.score_mod is None:
+                scaled = lambda x: x * c  # noqa: E731
+            else:  # the mod's scores are already in base-2 units
+                s, scaled = _log2_scores(st, s, h, q_idx, kv_idx)[0], lambda x: x  # noqa: E731
             if masked:
                 own = [(k, buf.at[wg]) for k, (buf, _) in q_ids.items()]
                 step = [(k, buf) for k, (buf, _) in kv_ids.items()]
-                q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-                kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
                 s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h)
-            # The scale rides in exp2's argument (one FMA an element, no separate multiply);
-            # the running max `m` is kept in scaled base-2 units.
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            m_new = jnp.maximum(m, scaled(s.max(axis=1)))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s * c - _rows(m_safe, shape))
+            p = jnp.exp2(scaled(s) - _rows(m_safe, shape))
             return p, m_new, alpha, denom * alpha + p.sum(axis=1)
 
         def overlapped(body, first_step, last_product, init):
@@ -729,25 +759,27 @@ def _dkv_step(st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, ac
     bq, dtype = st.config.block_q_dkv, q_smem.dtype
     shape = (_WG_ROWS, bq)  # transposed scores: keys along rows
 
-    def probabilities_then_dv(scores_t):  # while dP^T runs; dV's product then runs on
-        scores_t = scores_t * (st.scale * LOG2E)
-        if masked:
+    def probabilities_then_dv(raw_t):  # while dP^T runs; dV's product then runs on
+        q_idx = kv_idx = None  # positions only where a mask or a score mod reads them
+        if masked or st.score_mod is not None:
             kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
             q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
+        scores_t, slope = _log2_scores(st, raw_t, h, q_idx, kv_idx)
+        if masked:
             scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot, h)
         pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
         plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
-        return pt
+        return pt, slope
 
     views = st.config.transposed_views
-    pt, dpt = _overlapped(
+    (pt, slope), dpt = _overlapped(
         (k_smem, _t_view(qt_smem.at[slot], views)),
         (v_smem, _t_view(dot_smem.at[slot], views)),
         (shape, shape),
         probabilities_then_dv,
         left_running=1,
     )
-    dst = pt * (dpt - _cols(delta_smem.at[slot][...], shape)) * st.scale
+    dst = _times_slope(st, pt * (dpt - _cols(delta_smem.at[slot][...], shape)), slope)
     plgpu.wgmma(dk_acc, _a_operand(dst, dtype, dst_smem), q_smem.at[slot])
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
 
@@ -956,24 +988,25 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     bk = st.config.block_k_dq
     shape = (_WG_ROWS, bk)
 
-    def probabilities(s):  # while dP runs
-        s = s * (st.scale * LOG2E)
-        if masked:
+    def probabilities(raw):  # while dP runs
+        h = lax.axis_index("h")
+        q_idx = kv_idx = None  # positions only where a mask or a score mod reads them
+        if masked or st.score_mod is not None:
             q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
             kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-            s = _masked(
-                st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, lax.axis_index("h")
-            )
-        return jnp.exp2(s - _rows(lse_smem[...], shape))
+        s, slope = _log2_scores(st, raw, h, q_idx, kv_idx)
+        if masked:
+            s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h)
+        return jnp.exp2(s - _rows(lse_smem[...], shape)), slope
 
     views = st.config.transposed_views
-    p, dp = _overlapped(
+    (p, slope), dp = _overlapped(
         (q_smem, _t_view(kt_smem.at[slot], views)),
         (do_smem, _t_view(vt_smem.at[slot], views)),
         (shape, shape),
         probabilities,
     )
-    ds = p * (dp - _rows(delta_smem[...], shape)) * st.scale
+    ds = _times_slope(st, p * (dp - _rows(delta_smem[...], shape)), slope)
     plgpu.wgmma(dq_acc, _a_operand(ds, k_smem.dtype, ds_smem), k_smem.at[slot])
     plgpu.wgmma_wait(0)
 
@@ -1100,9 +1133,9 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAtt
 
 def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
     """The `_flash.FlashKernels` of one call."""
-    if score_mod is not None:
-        raise ValueError("the Mosaic kernel takes no score_mod")
-    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, None)
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+    if score_mod is not None and (why := _score_mod_rule(call)):
+        raise ValueError(why)
     cfg = config
     d, dv = _dims(call)
     q_pad = _round_up(call.q_len, max(2 * cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
@@ -1110,7 +1143,7 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionCo
     ops, kinds, rebuild = _tiles.split(
         mask, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
     )
-    st = _Static(call, cfg, scale, q_pad, kv_pad, d, dv, tuple(kinds))
+    st = _Static(call, cfg, scale, q_pad, kv_pad, d, dv, tuple(kinds), score_mod)
     ranges = _flash.tile_ranges(
         st.ctx,
         mask,
@@ -1153,8 +1186,8 @@ def _kernel_rule(call: AttentionCall) -> str | None:
         for name in _tiles.spec_names(term):
             if name in _NOT_IN_KERNEL:
                 return _NOT_IN_KERNEL[name]
-    if call.score_mod is not None:
-        return "score_mod is not in the Mosaic kernel yet; use implementation='triton'"
+    if call.score_mod is not None and (why := _score_mod_rule(call)):
+        return why
     need = max(_smem_need(call, MosaicAttentionConfig(block_k=64)).values())
     if need > SMEM_LIMIT:
         return f"head dims {call.qk_dim}/{call.v_dim} need {need} bytes of shared memory"
@@ -1165,6 +1198,19 @@ _NOT_IN_KERNEL = {
     "dense": "a dense mask cannot be evaluated per tile",
     "mask_fn": "MaskFn is not in the Mosaic kernel yet; use implementation='triton'",
 }
+# Score mods the kernel evaluates: array-free ones whose JAX ops Mosaic GPU lowers
+# (tanh). The kernel closes over them; it has no operands or gradients for parameters.
+_SCORE_MODS = frozenset({"softcap", "compose"})
+
+
+def _score_mod_rule(call: AttentionCall) -> str | None:
+    others = sorted(set(_tiles.spec_names(call.score_mod)) - _SCORE_MODS)
+    if others:
+        return (
+            f"score mods {others} are not in the Mosaic kernel (it takes SoftCap and "
+            "compositions of it); use implementation='triton'"
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
