@@ -361,11 +361,12 @@ def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, sl
     return jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
 
 
-def _log2_scores(st: _Static, raw, h, q_idx, kv_idx):
+def _log2_scores(st: _Static, raw, h, q_idx, kv_idx, with_slope=True):
     """A tile's scores in log2 units and d(score)/d(q.k) for the backward.
 
     With a score mod that slope is the mod's derivative at each score (a tile, from its
-    JVP); without one it is None, standing for the scale (`_times_slope`).
+    JVP; not computed without `with_slope`); without one it is None, standing for the
+    scale (`_times_slope`).
     """
     if st.score_mod is None:
         return raw * (st.scale * LOG2E), None
@@ -374,6 +375,8 @@ def _log2_scores(st: _Static, raw, h, q_idx, kv_idx):
     def modded(x):
         return st.score_mod(x * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
 
+    if not with_slope:
+        return modded(raw) * LOG2E, None
     scores, slope = jax.jvp(modded, (raw,), (jnp.ones_like(raw),))
     return scores * LOG2E, slope
 
@@ -516,7 +519,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             if st.score_mod is None:
                 scaled = lambda x: x * c  # noqa: E731
             else:  # the mod's scores are already in base-2 units
-                s, scaled = _log2_scores(st, s, h, q_idx, kv_idx)[0], lambda x: x  # noqa: E731
+                s = _log2_scores(st, s, h, q_idx, kv_idx, with_slope=False)[0]
+                scaled = lambda x: x  # noqa: E731
             if masked:
                 own = [(k, buf.at[wg]) for k, (buf, _) in q_ids.items()]
                 step = [(k, buf) for k, (buf, _) in kv_ids.items()]
