@@ -381,6 +381,22 @@ def _log2_scores(st: _Static, raw, h, q_idx, kv_idx, with_slope=True):
     return scores * LOG2E, slope
 
 
+def _backward_scores(st: _Static, rebuild, scalars, raw, h, positions, masked, ids, slot):
+    """A backward tile's base-2 scores (score mod and mask applied) and their slope.
+
+    `positions()` gives the tile's `(q_idx, kv_idx)`, built only where a mask or a score
+    mod reads them; `ids`: the `(own, step)` segment-id buffers of `_id_tiles`.
+    """
+    q_idx = kv_idx = None
+    if masked or st.score_mod is not None:
+        q_idx, kv_idx = positions()
+    scores, slope = _log2_scores(st, raw, h, q_idx, kv_idx)
+    if masked:
+        own, step = ids
+        scores = _masked(st, rebuild, scalars, scores, q_idx, kv_idx, own, step, slot, h)
+    return scores, slope
+
+
 def _times_slope(st: _Static, x, slope):
     """`x` times `_log2_scores`' slope."""
     return x * (st.scale if slope is None else slope)
@@ -763,14 +779,14 @@ def _dkv_step(st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, ac
     bq, dtype = st.config.block_q_dkv, q_smem.dtype
     shape = (_WG_ROWS, bq)  # transposed scores: keys along rows
 
+    def positions():  # keys along rows
+        kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+        return i * bq + lax.broadcasted_iota(jnp.int32, shape, 1), kv_idx
+
     def probabilities_then_dv(raw_t):  # while dP^T runs; dV's product then runs on
-        q_idx = kv_idx = None  # positions only where a mask or a score mod reads them
-        if masked or st.score_mod is not None:
-            kv_idx = key0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-            q_idx = i * bq + lax.broadcasted_iota(jnp.int32, shape, 1)
-        scores_t, slope = _log2_scores(st, raw_t, h, q_idx, kv_idx)
-        if masked:
-            scores_t = _masked(st, rebuild, scalars, scores_t, q_idx, kv_idx, own, step, slot, h)
+        scores_t, slope = _backward_scores(
+            st, rebuild, scalars, raw_t, h, positions, masked, (own, step), slot
+        )
         pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
         plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
         return pt, slope
@@ -992,15 +1008,15 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
     bk = st.config.block_k_dq
     shape = (_WG_ROWS, bk)
 
+    def positions():
+        q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+        return q_idx, j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+
     def probabilities(raw):  # while dP runs
         h = lax.axis_index("h")
-        q_idx = kv_idx = None  # positions only where a mask or a score mod reads them
-        if masked or st.score_mod is not None:
-            q_idx = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-            kv_idx = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
-        s, slope = _log2_scores(st, raw, h, q_idx, kv_idx)
-        if masked:
-            s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h)
+        s, slope = _backward_scores(
+            st, rebuild, scalars, raw, h, positions, masked, (own, step), slot
+        )
         return jnp.exp2(s - _rows(lse_smem[...], shape)), slope
 
     views = st.config.transposed_views
