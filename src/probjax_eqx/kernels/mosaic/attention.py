@@ -751,7 +751,7 @@ def _forward(st: _Static, rebuild, q, k, v, ranges, operands):
         thread_name="wg",
         compiler_params=COMPILER_PARAMS,
         interpret=InterpretGPUParams() if cfg.interpret else None,
-    )(q, k if cfg.transposed_views else _transposed(k), v, *ranges, *operands)
+    )(q, _transposed_source(k, cfg), v, *ranges, *operands)
 
 
 def _query_tile_views(refs, id_refs, b, h, rows, views: bool):
@@ -997,7 +997,7 @@ def _row_tile_views(refs, id_refs, b, h, rows):
             delta_ref.at[b, h, rows], *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
 
 
-def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc, masked):
+def _dq_step(st, rebuild, scalars, h, j, row0, own, step, ring, slot, tiles, dq_acc, masked):
     """Add key tile `j`'s share to a warpgroup's dQ accumulator (64 rows from row0).
 
     `ring`: K^T, K, V^T buffers; `tiles`: the rows' Q, dO, lse, delta and dS staging
@@ -1013,7 +1013,6 @@ def _dq_step(st, rebuild, scalars, j, row0, own, step, ring, slot, tiles, dq_acc
         return q_idx, j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
 
     def probabilities(raw):  # while dP runs
-        h = lax.axis_index("h")
         s, slope = _backward_scores(
             st, rebuild, scalars, raw, h, positions, masked, (own, step), slot
         )
@@ -1088,7 +1087,7 @@ def _dq_kernel(*refs, st, rebuild):
 
         def accumulate(dq_acc):
             loop(lambda _, j, slot, masked: _dq_step(
-                st, rebuild, scalars, j, row0, own, step, operands, slot, tiles, dq_acc, masked
+                st, rebuild, scalars, h, j, row0, own, step, operands, slot, tiles, dq_acc, masked
             ))  # fmt: skip
             return dq_acc[...]
 
@@ -1098,9 +1097,13 @@ def _dq_kernel(*refs, st, rebuild):
     _backward_program(ring, ranges, views_of, compute)
 
 
-def _transposed(x):
-    """`[batch, seq, heads, dim]` -> `[batch, heads, dim, seq]`."""
-    return jnp.transpose(x, (0, 2, 3, 1))
+def _transposed_source(x, cfg: MosaicAttentionConfig):
+    """What a kernel reads X^T's tiles from.
+
+    X itself, whose SMEM tiles it views transposed (`transposed_views`), or an XLA copy
+    `[batch, heads, dim, seq]`.
+    """
+    return x if cfg.transposed_views else jnp.transpose(x, (0, 2, 3, 1))
 
 
 def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, operands):
@@ -1108,10 +1111,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     batch, _, heads, _ = q.shape
     kv_heads, dtype = k.shape[2], q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
-    # The kernels' transposed operands: XLA copies, or (views) the operands themselves in
-    # the copies' places, their transposes then views in SMEM.
-    views = cfg.transposed_views
-    t = (lambda x: x) if views else _transposed  # noqa: E731
+    t = functools.partial(_transposed_source, cfg=cfg)
     interpret = InterpretGPUParams() if cfg.interpret else None
     n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
     bk = cfg.block_k_dkv
@@ -1142,7 +1142,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         thread_name="wg" if wgs > 1 else None,
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
-    )(q, do, lse, delta, t(k), k, v if views else t(v), *dq_ranges, *operands)
+    )(q, do, lse, delta, t(k), k, t(v), *dq_ranges, *operands)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
