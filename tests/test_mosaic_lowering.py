@@ -81,3 +81,22 @@ def test_grouped_matmul_kernels_lower(block_m):
     f = lambda a, b: mosaic_gmm.grouped_matmul(a, b, sizes, config=config)  # noqa: E731
     lhs, rhs = jnp.ones((130, 64), jnp.bfloat16), jnp.ones((3, 64, 128), jnp.bfloat16)
     assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1), lhs, rhs)
+
+
+def test_a_config_that_just_fits_lowers():
+    """Mosaic's own shared-memory check agrees with `smem_bytes` at the edge.
+
+    At head_dim 128 three stages with P in registers leave the forward 1,928 bytes of the
+    limit: the 2 KiB Pallas sets aside for cross-warp reductions by default (run 43 on the
+    H200) would not fit.
+    """
+    tuned = dict(block_k_dkv=128, block_q_dq=128, transposed_views=True, p_in_registers=True,
+                 num_stages=3)  # fmt: skip
+    config = mosaic_attention.MosaicAttentionConfig(**tuned)
+    need = mosaic_attention.smem_bytes(config, 128, 128)
+    assert mosaic_attention.smem_refusal(need) is None and need["forward"] > 230_000
+    q = k = v = jnp.ones((1, 256, 1, 128), jnp.bfloat16)
+    f = functools.partial(
+        mosaic_attention.flash_attention, mask=None, score_mod=None, scale=0.125, config=config
+    )
+    assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)

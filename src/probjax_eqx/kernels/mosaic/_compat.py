@@ -25,8 +25,12 @@ except ImportError:  # pragma: no cover - only matters after an interpreter fail
 
 JAX_011 = jax.__version_info__ >= (0, 11)
 ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] - public, but not in __all__
-# The default lowering semantics changed between versions: always name it.
-COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+# The default lowering semantics changed between versions: always name it. Our reductions
+# run along a wgmma accumulator's rows (lane shuffles within a warp), so no shared memory
+# is set aside for cross-warp ones (2 KiB by default, which `scratch_bytes` cannot see).
+COMPILER_PARAMS = plgpu.CompilerParams(
+    lowering_semantics=plgpu.LoweringSemantics.Warpgroup, reduction_scratch_bytes=0
+)
 
 __all__ = [
     "ACC",
