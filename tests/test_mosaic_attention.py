@@ -211,11 +211,19 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     call = lambda mask: AttentionCall.from_args(
         shape, shape, shape, jnp.dtype(jnp.bfloat16), mask, None
     )  # noqa: E731
-    dense = default_config(call(None), sm90)
-    assert (dense.block_k, dense.block_k_dkv, dense.block_q_dq) == (128, 128, 128)
-    # Segment-id tiles push the two-warpgroup dK/dV program over the limit (run 16).
-    segments = default_config(call(masks.Segments(ids)), sm90)
-    assert (segments.block_k, segments.block_k_dkv, segments.block_q_dq) == (128, 64, 128)
+    cpu = DeviceInfo("cpu", "cpu", None)
+    tiles = lambda cfg: (cfg.block_k, cfg.block_k_dkv, cfg.block_q_dq)  # noqa: E731
+    # The GPU's default takes FA3's register operands and transposed views (run 44);
+    # the interpreter's cannot, and stages P, P^T, dS^T, dS and the transposed tiles.
+    dense, interpreted = default_config(call(None), sm90), default_config(call(None), cpu)
+    assert tiles(dense) == tiles(interpreted) == (128, 128, 128)
+    assert dense.p_in_registers and dense.transposed_views and not dense.interpret
+    assert not (interpreted.p_in_registers or interpreted.transposed_views)
+    # Segment-id tiles push the staged two-warpgroup dK/dV program over the limit (run
+    # 16); the GPU's, without staging or transposed tiles, fits.
+    segments = lambda device: default_config(call(masks.Segments(ids)), device)  # noqa: E731
+    assert tiles(segments(cpu)) == (128, 64, 128)
+    assert tiles(segments(sm90)) == (128, 128, 128)
     q, k, v = make_qkv(getkey(), batch=2, q_len=64, kv_len=64, qk_dim=128, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
     with pytest.raises(UnsupportedError, match="shared memory"):
