@@ -5,8 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 10 (session 14's MoE changes on the default path: GPU
-# tests first), 12, 13, 14 (session 15's Mosaic attention options and SoftCap), 11, 15.
+# Not yet run, in order of need: 1 (the whole GPU suite: runs 43-45 were each cut before
+# pytest's summary, with no failure logged, and the Mosaic default changed in run 44),
+# 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
+# after the first nine, the causal backward sweep, T 16384 beside the peers, SoftCap
+# causal), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -23,12 +26,12 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 15}" in
+case "${1:?stage 1 to 16}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
     step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
-      bash bench/gpu_tests.sh --durations=15; cat $OUT/gpu_tests_by_name.txt; \
+      LIMIT=540 bash bench/gpu_tests.sh --durations=15; cat $OUT/gpu_tests_by_name.txt; \
       cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
     ;;
   2)
@@ -91,7 +94,7 @@ case "${1:?stage 1 to 15}" in
     # their partials' traffic, one batch element's lengths planned as no lengths. Tests
     # first (run 31's were cut before their log was written: pytest's own limit now).
     step 250 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
-      timeout 235 bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring"; \
+      LIMIT=235 bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring"; \
       grep -E "PASSED|FAILED|ERROR" $OUT/gpu_tests.txt | sed "s/^.*::/::/" | sort | uniq -c; \
       cat $OUT/failures.txt 2>/dev/null | head -80; tail -3 $OUT/gpu_tests.txt'
     step 90 ncu bash bench/ncu_decode.sh "$out" auto/1/32768/8:q16 torch-flash/1/32768/8:q16 \
@@ -116,7 +119,7 @@ case "${1:?stage 1 to 15}" in
     # weights' gradient; run 34 put 24 ms of the 1M-token layer's backward outside its
     # matmuls). Its GPU tests, then the profile and the suite at 1M tokens: 67.96 ms.
     step 120 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      timeout 110 bash bench/gpu_tests.sh -k "moe_dispatch_matches or auto_forward_is_mosaic"; \
+      LIMIT=110 bash bench/gpu_tests.sh -k "moe_dispatch_matches or auto_forward_is_mosaic"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
       tail -3 $OUT/gpu_tests.txt'
     step 120 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
@@ -130,13 +133,15 @@ case "${1:?stage 1 to 15}" in
     suite 150 sequence_mla --suite sequence --only "mla auto" "mha auto"
     ;;
   10)
-    # Not yet run (session 14's unmeasured changes): the sorted dispatch's second matmul
-    # and combine under one VJP (matmul_combine), and the tokens' top-k copies gathered
+    # Run 43 (its tests were cut at 76% with no failure logged): session 14's changes:
+    # the sorted dispatch's second matmul and combine under one VJP (matmul_combine), and the tokens' top-k copies gathered
     # again in the backward instead of kept (matmul_of_copies: every sorted / Mosaic
     # mode). Their GPU tests, then auto (Mosaic), triton and xla beside run 42's train
     # steps (131k: 9.40 / 12.82 / 13.95 ms; 1M: 67.35 / 99.96 / 103.6) and plan GiB.
-    step 200 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      timeout 190 bash bench/gpu_tests.sh -k test_gpu_moe; \
+    # With them session 15's default-on Mosaic attention backward (S and dP issued
+    # together, GQA's heads summed in the dK/dV program): both sets of tests in one call.
+    step 320 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+      LIMIT=310 bash bench/gpu_tests.sh -k "test_gpu_moe or (mosaic and test_gpu_attention)"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
       tail -3 $OUT/gpu_tests.txt'
     suite 200 moe_sorted --suite moe --seq 131072 1048576 \
@@ -153,7 +158,9 @@ case "${1:?stage 1 to 15}" in
     suite 500 sequence --suite sequence
     ;;
   12)
-    # Not yet run (session 15): the Mosaic attention backward issuing S and dP together
+    # Run 44 ran this step's first half (tests cut at 46%, the forward sweep's first nine
+    # configs at T 4096 non-causal) beside stage 13's backward sweep (non-causal): P in
+    # registers and transposed views became the GPU's default. Session 15's changes: the Mosaic attention backward issuing S and dP together
     # (and dV's product beside dS^T) and summing GQA's query heads inside the dK/dV
     # program (one program per KV head), the forward's intra-warpgroup overlap
     # (overlap_softmax), FA3's register mode (p_in_registers: P / dS from registers, the
@@ -162,7 +169,7 @@ case "${1:?stage 1 to 15}" in
     # configs at T 4096 and 16384 (#5's goal: 550 TFLOP/s at 16384, hd 128; run 16:
     # 0.602 ms at 4096, the default 0.617 in the suite).
     step 220 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      timeout 210 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
+      LIMIT=210 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
       cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
       tail -3 $OUT/gpu_tests.txt'
     step 330 sweep_mosaic_4k python3 -m bench.sweep_attention \
@@ -196,6 +203,22 @@ case "${1:?stage 1 to 15}" in
     # The set-transformer shapes (hd 32) with every peer in one run: the report's rows
     # mix runs 12 and 18 (tokamax Triton and torch flash 0.93x our time at 128 x 1024).
     suite 400 set_transformer --suite set_transformer
+    ;;
+  16)
+    # One call for what decides session 15's defaults, when stages 12-14 do not all fit:
+    # every forward and backward config at T 4096 (hd 128), then SoftCap in Mosaic against
+    # Triton at their defaults. Each sweep writes its rows as it goes.
+    step 200 sweep_mosaic_4k python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
+      --causal 0 1 --part fwd
+    step 220 sweep_mosaic_bwd python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
+      --head-dim 128 --causal 0 1 --part bwd
+    for impl in mosaic triton; do
+      step 75 "softcap_$impl" python3 -m bench.sweep_attention \
+        --out "$out/softcap_$impl.json" --implementation $impl --defaults --softcap 30 \
+        --seq 4096 --head-dim 128 --causal 0 1
+    done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
