@@ -1,10 +1,14 @@
 """What an attention call runs on the device: `python -m bench.attention_work [IMPL...]`.
 
-For each implementation (ours: `auto`, `cudnn`, `mosaic`, `triton`, `xla`; the peer
-`jax.nn-cudnn`), the compiled forward and forward+backward programs' device work (the
-kernels, and every fusion, copy or transpose around them), at B4 H8 bf16. Our default
-takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same cuDNN kernel: these
-lists show what our route adds.
+For each implementation (ours: `auto`, `cudnn`, `mosaic`, `triton`, `xla`; the peers
+`jax.nn-cudnn` and `tokamax-mosaic`), the compiled forward and forward+backward
+programs' device work (the kernels, and every fusion, copy or transpose around them), at
+B4 H8 bf16. Our default takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same
+cuDNN kernel: these lists show what our route adds.
+
+`--launch N` then runs each program N times, for a profiler (`bench/ncu.sh`) to time
+each kernel: where our Mosaic backward's time goes beside tokamax's (run 45: fwd+bwd
+2.40 vs 2.09 ms at T 4096 hd 128).
 """
 
 import argparse
@@ -13,11 +17,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bench.harness import device_work
+from bench.harness import device_work, tokamax
 from probjax_eqx import dot_product_attention, masks
 
 
 def _attend(impl: str, causal: bool):
+    if impl == "tokamax-mosaic":
+        module = tokamax()
+        if isinstance(module, str):
+            raise NotImplementedError(module)
+        return functools.partial(module.dot_product_attention, is_causal=causal,
+                                 implementation="mosaic")  # fmt: skip
     if impl == "jax.nn-cudnn":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                  implementation="cudnn")  # fmt: skip
@@ -31,11 +41,17 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--launch", type=int, default=0, help="runs of each program")
     args = parser.parse_args()
     shape = (4, args.seq, 8, args.head_dim)
-    q, k, v, ct = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) for _ in range(4))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
     for impl in args.impls:
-        f = _attend(impl, args.causal)
+        try:
+            f = _attend(impl, args.causal)
+        except NotImplementedError as exc:
+            print(f"{impl}: {exc}")
+            continue
 
         def loss(q, k, v, ct, f=f):
             return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
@@ -47,8 +63,11 @@ def main():
         for part, (fn, operands) in programs.items():
             print(f"{impl} {part} {shape} causal={args.causal}", flush=True)
             try:
-                for line in device_work(fn.lower(*operands).compile().as_text()):
+                compiled = fn.lower(*operands).compile()
+                for line in device_work(compiled.as_text()):
                     print("  " + line)
+                for _ in range(args.launch):
+                    jax.block_until_ready(compiled(*operands))
             except Exception as exc:  # noqa: BLE001 - a refusal is an answer too
                 print(f"  {type(exc).__name__}: {str(exc)[:300]}")
 

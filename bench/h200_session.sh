@@ -5,9 +5,9 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 1 (the whole GPU suite: runs 43-45 were each cut before
-# pytest's summary, with no failure logged, and the Mosaic default changed in run 44),
-# 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
+# Not yet run, in order of need: 17 (the Mosaic GPU tests whole under run 44's default,
+# and where its backward's time goes), 1 (the whole GPU suite: runs 43-45 were each cut
+# before pytest's summary, with no failure logged), 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
 # after the first nine, the causal backward sweep, T 16384 beside the peers, SoftCap
 # causal), 11, 15.
 set -u
@@ -26,7 +26,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 16}" in
+case "${1:?stage 1 to 17}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -97,7 +97,8 @@ case "${1:?stage 1 to 16}" in
       LIMIT=235 bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring"; \
       grep -E "PASSED|FAILED|ERROR" $OUT/gpu_tests.txt | sed "s/^.*::/::/" | sort | uniq -c; \
       cat $OUT/failures.txt 2>/dev/null | head -80; tail -3 $OUT/gpu_tests.txt'
-    step 90 ncu bash bench/ncu_decode.sh "$out" auto/1/32768/8:q16 torch-flash/1/32768/8:q16 \
+    step 90 ncu bash bench/ncu.sh "$out" decode bench.profile_decode \
+      auto/1/32768/8:q16 torch-flash/1/32768/8:q16 \
       auto/1/32768/8:q16:ragged auto/8/131072/32 torch-cudnn/8/131072/32
     suite 200 decode --suite decode --set q_len=1,16 --only "probjax auto" "jax.nn cudnn" \
       "torch sdpa cudnn" "torch sdpa flash"
@@ -219,6 +220,23 @@ case "${1:?stage 1 to 16}" in
         --out "$out/softcap_$impl.json" --implementation $impl --defaults --softcap 30 \
         --seq 4096 --head-dim 128 --causal 0 1
     done
+    ;;
+  17)
+    # Since run 44 the GPU's Mosaic default takes P from registers and transposed views:
+    # all its GPU tests (FA3's ping-pong with register operands among them), then each
+    # kernel's time beside tokamax Mosaic's and cuDNN's (run 45, T 4096 hd 128 fwd+bwd:
+    # 2.40 / 2.09 / 1.84 ms; fwd 0.569 / 0.459 / 0.458), then the forward sweep, whose
+    # first six configs include ping-pong with and without 40 TMA registers (tokamax's
+    # forward ping-pongs with 40).
+    step 260 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+      LIMIT=250 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+      tail -3 $OUT/gpu_tests.txt'
+    step 150 ncu bash bench/ncu.sh "$out" attention bench.attention_work --launch 1 \
+      mosaic tokamax-mosaic jax.nn-cudnn
+    step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
+      --causal 0 --part fwd
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -239,6 +239,10 @@ MOSAIC_SCHEDULES = {
     "fa3_operands": dict(
         overlap_softmax=True, memory_registers=24, p_in_registers=True, transposed_views=True
     ),
+    # FA3's forward as tokamax runs it: ping-pong, P from registers, 40 TMA registers.
+    "fa3_pingpong": dict(
+        pingpong=True, memory_registers=40, p_in_registers=True, transposed_views=True
+    ),
 }
 
 
