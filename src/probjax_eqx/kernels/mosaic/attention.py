@@ -95,9 +95,10 @@ class MosaicAttentionConfig:
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
         pingpong: in the forward, the two compute warpgroups take turns on the tensor
             cores (FA3's ping-pong schedule): one runs its softmax while the other's
-            matmuls run. A rendezvous barrier of the two orders them. Off: on the
-            H200 (run 16, B4 H8 T4096 hd128) the forward took 0.629 ms with it and
-            0.620 ms without.
+            matmuls run. Each warpgroup signals the other once its scores' product is
+            issued and waits for the other's signal before its P @ V (one-way turns;
+            run 16's rendezvous of the two took 0.629 ms against 0.620 without, B4 H8
+            T4096 hd128 on the H200). Off until timed.
         overlap_softmax: in the forward, FA3's intra-warpgroup overlap: step j's scores
             and softmax run while step j - 1's P @ V product is on the tensor cores.
             Staged in SMEM (without `p_in_registers`) that product is a float32 tile
@@ -207,7 +208,7 @@ def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_p
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),  # the ping-pong turn
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # each warpgroup's ping-pong turn
     ]
     for _ in range(n_q_pos):
         scratch += [plgpu.SMEM((2, bq), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
@@ -523,13 +524,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
         scalars = _scalar_values(st, op_refs, b, h)
         c = st.scale * LOG2E
 
-        def take_turns():  # ping-pong: meet the other compute warpgroup
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+        # Ping-pong: warpgroup wg's scores product, once issued, lets the other
+        # warpgroup's P @ V go (`pass_turn`); its own P @ V waits for the other's
+        # scores (`await_turn`). Never two signals ahead: each barrier's parity holds.
+        def pass_turn():
+            plgpu.barrier_arrive(turn.at[1 - wg])
 
-        handoff = take_turns if cfg.pingpong else None
-        if cfg.pingpong:  # warpgroup 1 starts half a step behind
-            pl.when(wg == 1)(take_turns)
+        def await_turn():
+            plgpu.barrier_wait(turn.at[wg])
+
+        handoff = pass_turn if cfg.pingpong else None
+        if cfg.pingpong:  # warpgroup 1 starts after warpgroup 0's first scores
+            pl.when(wg == 1)(await_turn)
 
         def scores(j, slot, while_running=None):
             """Step j's scores; K's slot is released once they are read."""
@@ -579,12 +585,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             return lax.cond(started, lambda c: last_product(c, last), lambda c: c, carry)
 
         def await_v(slot):
-            """V's `slot` has arrived (ping-pong: and the tensor cores' turn, softmax done)."""
-            if cfg.pingpong:
-                plgpu.barrier_arrive(turn)
+            """V's `slot` has arrived (ping-pong: and the tensor cores' turn)."""
             plgpu.barrier_wait(v_bar.at[slot])
             if cfg.pingpong:
-                plgpu.barrier_wait(turn)
+                await_turn()
 
         def await_overlapped(j):
             """The slots of step j's K and of step j - 1's V, once both have arrived."""
@@ -713,8 +717,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             acc, m, denom = pl.run_scoped(in_place_loop, ACC((bq, st.dv), jnp.float32))
         else:
             acc, m, denom = staged_loop(p_smem)
-        if cfg.pingpong:  # warpgroup 0 ends with the meeting warpgroup 1 started with
-            pl.when(wg == 0)(take_turns)
+        if cfg.pingpong:  # the turn warpgroup 1's last P @ V waits for
+            pl.when(wg == 0)(pass_turn)
         empty = denom == 0.0
         safe = jnp.where(empty, 1.0, denom)
         rows = pl.ds(row0, bq)
