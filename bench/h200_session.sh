@@ -6,8 +6,9 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 17 (the Mosaic GPU tests whole under run 44's default,
-# and where its backward's time goes), 1 (the whole GPU suite: runs 43-45 were each cut
-# before pytest's summary, with no failure logged), 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
+# and where its backward's time goes), 18 (the shared expert through `swiglu`), 1 (the
+# whole GPU suite: runs 43-45 were each cut before pytest's summary, with no failure
+# logged), 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
 # after the first nine, the causal backward sweep, T 16384 beside the peers, SoftCap
 # causal), 11, 15.
 set -u
@@ -26,7 +27,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 17}" in
+case "${1:?stage 1 to 18}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -237,6 +238,14 @@ case "${1:?stage 1 to 17}" in
     step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
       --causal 0 --part fwd
+    ;;
+  18)
+    # The shared expert's gate | up in one matmul through `swiglu` (session 16: the
+    # layer's jaxpr residuals 25 -> 19 GiB at 1M tokens): XLA's plan (temp GiB) and time
+    # beside run 43's auto (3.54 / 28.41 GiB; 9.92 / 70.19 ms at 131k / 1M) and run 42's
+    # fused_gsum (1.82 / 14.37 GiB; 91.48 ms at 1M).
+    suite 280 moe --suite moe --seq 131072 1048576 \
+      --only "probjax moe auto" "probjax moe fused_gsum" "probjax moe xla"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

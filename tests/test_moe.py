@@ -17,7 +17,7 @@ from probjax_eqx import moe as moe_module
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels.mosaic.grouped_matmul import MosaicGroupedMatmulConfig
 from probjax_eqx.kernels.triton.grouped_matmul import TritonGroupedMatmulConfig
-from probjax_eqx.moe import explain_grouped_matmul
+from probjax_eqx.moe import SwiGLU, explain_grouped_matmul
 
 GMM_CFG = TritonGroupedMatmulConfig(block_m=16, block_n=16, block_k=16, interpret=True)
 MOSAIC_CFG = MosaicGroupedMatmulConfig(block_n=64, interpret=True)
@@ -426,7 +426,8 @@ def test_shared_expert_runs_in_compute_dtype(getkey):
     step = eqx.filter_grad(lambda m, x: jnp.sum(m.shared_expert(x)))
     dots = [eqn for eqn in all_eqns(jax.make_jaxpr(step)(moe, x).jaxpr)
             if eqn.primitive.name == "dot_general"]  # fmt: skip
-    assert len(dots) == 7  # three matmuls, their weights' gradients, dh of the down one
+    # Two matmuls (gate | up merged, down), their weights' gradients, dh of the down one.
+    assert len(dots) == 5
     assert all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
     y = moe.shared_expert(x)
     assert y.dtype == jnp.float32
@@ -615,3 +616,17 @@ def test_group_sizes_that_miss_the_row_count(sizes):
     want_bf16 = np.zeros_like(want)  # the same rows, from the rounded inputs
     want_bf16[: len(group)] = np.asarray(bf16[0], np.float32)[: len(group)] * (group[:, None] + 1)
     np.testing.assert_array_equal(np.asarray(got, np.float32), want_bf16)
+
+
+def test_shared_expert_keeps_its_projections_and_product_alone(getkey, capsys):
+    """The shared expert's training residuals over the tokens: the gate | up projections
+    (one array) and the SwiGLU product, not silu's intermediates (`swiglu`)."""
+    shared = SwiGLU(16, 24, key=getkey())
+    x = jax.random.normal(getkey(), (19, 16))
+    params, static = eqx.partition(shared, eqx.is_array)
+    loss = lambda p, x: jnp.sum(jax.vmap(eqx.combine(p, static))(x))  # noqa: E731
+    print_saved_residuals(loss, params, x)
+    rows = re.findall(r"f32\[19,(?:1,)?(\d+)\]", capsys.readouterr().out)
+    assert sorted(map(int, rows)) == [16, 24, 48], rows  # x, the product, gate | up
+    assert_close(jax.vmap(shared)(x), jax.vmap(lambda t: shared.down(
+        jax.nn.silu(shared.gate(t)) * shared.up(t)))(x), jnp.float32)  # fmt: skip

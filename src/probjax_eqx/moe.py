@@ -516,7 +516,13 @@ class RouterStats(eqx.Module):
 
 
 class SwiGLU(eqx.Module):
-    """`down(silu(gate(x)) * up(x))`: the dense (shared) expert."""
+    """`down(silu(gate(x)) * up(x))`: the dense (shared) expert.
+
+    One matmul for the gate and up projections, through `swiglu`: its backward keeps the
+    two projections and the product alone (autodiff of the expression kept silu's
+    intermediates too: 12 of the MoE layer's 25 GiB of residuals at 1M tokens, shared
+    width 1024).
+    """
 
     gate: eqx.nn.Linear
     up: eqx.nn.Linear
@@ -529,7 +535,8 @@ class SwiGLU(eqx.Module):
         self.down = eqx.nn.Linear(d_ff, d_model, use_bias=False, dtype=dtype, key=k3)
 
     def __call__(self, x: Float[Array, " d_model"]) -> Float[Array, " d_model"]:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        w13 = jnp.concatenate([self.gate.weight, self.up.weight])  # [2 d_ff, d_model]
+        return self.down(swiglu((w13 @ x)[None], self.gate.weight.shape[0])[0])
 
 
 def _init(key, shape, fan_in, dtype):
