@@ -630,3 +630,13 @@ def test_shared_expert_keeps_its_projections_and_product_alone(getkey, capsys):
     assert sorted(map(int, rows)) == [16, 24, 48], rows  # x, the product, gate | up
     assert_close(jax.vmap(shared)(x), jax.vmap(lambda t: shared.down(
         jax.nn.silu(shared.gate(t)) * shared.up(t)))(x), jnp.float32)  # fmt: skip
+
+
+def test_router_keeps_no_float32_copy_of_the_tokens(capsys):
+    """The router's float32 logits of 16-bit tokens keep the tokens, not their cast."""
+    moe = MoE(16, 24, num_experts=4, top_k=2, key=jax.random.key(0))
+    x = jnp.ones((19, 16), jnp.bfloat16)
+    params, static = eqx.partition(moe, eqx.is_array)
+    loss = lambda p, x: jnp.sum(eqx.combine(p, static).route(x)[1])  # noqa: E731
+    print_saved_residuals(loss, params, x)
+    assert "f32[19,16]" not in capsys.readouterr().out

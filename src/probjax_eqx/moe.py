@@ -543,6 +543,16 @@ def _init(key, shape, fan_in, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
 
 
+@jax.checkpoint
+def _router_logits(x, router):
+    """Float32 logits of 16-bit tokens.
+
+    The backward casts `x` again rather than keep its float32 copy (2 GiB at 1M tokens
+    of 512).
+    """
+    return x.astype(jnp.float32) @ router.astype(jnp.float32)
+
+
 def swiglu(h13: Array, d_ff: int) -> Array:
     """`silu(gate) * up` of rows holding the gate then the up projection (then padding).
 
@@ -767,7 +777,7 @@ class MoE(eqx.Module):
 
         Sums add up across shards of the tokens (expert parallelism).
         """
-        logits = x.astype(jnp.float32) @ self.router.astype(jnp.float32)
+        logits = _router_logits(x, self.router)
         if self.router_type == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
         else:
