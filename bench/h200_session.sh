@@ -240,9 +240,10 @@ case "${1:?stage 1 to 18}" in
       --causal 0 --part fwd
     ;;
   18)
-    # The shared expert's gate | up in one matmul through `swiglu` and the router's
-    # logits cast again in the backward (session 16: the layer's jaxpr residuals 25 -> 19
-    # -> 17 GiB at 1M tokens): XLA's plan (temp GiB) and time
+    # The shared expert's gate | up in one matmul through `swiglu`, the router's logits
+    # cast again in the backward and its top-k keeping the indices alone (session 16:
+    # the layer's jaxpr residuals 25 -> 19 -> 17 -> 14.5 GiB at 1M tokens; the top-k's
+    # values now a pass of their own): XLA's plan (temp GiB) and time
     # beside run 43's auto (3.54 / 28.41 GiB; 9.92 / 70.19 ms at 131k / 1M) and run 42's
     # fused_gsum (1.82 / 14.37 GiB; 91.48 ms at 1M).
     suite 280 moe --suite moe --seq 131072 1048576 \

@@ -313,6 +313,14 @@ def test_top_k_by_passes_is_top_k(getkey, k):
     np.testing.assert_array_equal(*grads)
 
 
+def test_top_k_by_passes_keeps_the_indices_alone(capsys):
+    """Its backward needs the k indices of a row, not each pass's masked scores."""
+    scores = jnp.ones((50, 16))
+    print_saved_residuals(lambda s: jnp.sum(moe_module.top_k_by_passes(s, 8)[0]), scores)
+    saved = capsys.readouterr().out
+    assert "i32[50,8]" in saved and "[50,16]" not in saved, saved
+
+
 def test_forward_or_vjp_runs_the_forward_unless_differentiated():
     # Two stand-ins told apart by their values: the forward outside jax.grad, the other's
     # forward and VJP inside (value_and_grad's value is the differentiable one's).

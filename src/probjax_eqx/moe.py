@@ -435,14 +435,45 @@ def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
     2.84; the values' gradient 0.167 / 1.30 vs 0.381 / 3.01.
     """
     cols = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-    rest, values, indices = scores, [], []
+    rest, indices = jax.lax.stop_gradient(scores), []
     for _ in range(k):
         index = jnp.argmax(rest, axis=-1).astype(jnp.int32)
-        hit = cols == index[..., None]
-        values.append(jnp.sum(jnp.where(hit, scores, 0), axis=-1))
         indices.append(index)
-        rest = jnp.where(hit, -jnp.inf, rest)
-    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+        rest = jnp.where(cols == index[..., None], -jnp.inf, rest)
+    indices = jnp.stack(indices, axis=-1)
+    return _columns(scores, indices), indices
+
+
+def _select_columns(x, indices):
+    """`x[..., indices[..., j]]` for each j, as selects (no gather, no scatter)."""
+    cols = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    picks = [jnp.where(cols == indices[..., j, None], x, 0) for j in range(indices.shape[-1])]
+    return jnp.stack([jnp.sum(p, axis=-1) for p in picks], axis=-1)
+
+
+@jax.custom_vjp
+def _columns(scores, indices):
+    """`_select_columns`, whose backward keeps the indices alone.
+
+    Autodiff kept each pass's selected copy of the scores and its mask: 2.5 GiB at 1M
+    tokens, 64 experts, top-8.
+    """
+    return _select_columns(scores, indices)
+
+
+def _columns_fwd(scores, indices):
+    return _select_columns(scores, indices), (indices, jnp.zeros(scores.shape[-1:], scores.dtype))
+
+
+def _columns_bwd(residuals, d_values):
+    indices, row = residuals  # `row`: the scores' last axis, for its length and dtype
+    cols = jnp.arange(row.shape[0], dtype=jnp.int32)
+    hits = [cols == indices[..., j, None] for j in range(indices.shape[-1])]
+    d_scores = sum(jnp.where(hit, d_values[..., j, None], 0) for j, hit in enumerate(hits))
+    return jnp.asarray(d_scores, row.dtype), None
+
+
+_columns.defvjp(_columns_fwd, _columns_bwd)
 
 
 def resolve_inference_dispatch(request: str | None, dispatch_mode: str) -> str | None:
