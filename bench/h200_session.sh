@@ -206,22 +206,6 @@ case "${1:?stage 1 to 18}" in
     # mix runs 12 and 18 (tokamax Triton and torch flash 0.93x our time at 128 x 1024).
     suite 400 set_transformer --suite set_transformer
     ;;
-  16)
-    # One call for what decides session 15's defaults, when stages 12-14 do not all fit:
-    # every forward and backward config at T 4096 (hd 128), then SoftCap in Mosaic against
-    # Triton at their defaults. Each sweep writes its rows as it goes.
-    step 200 sweep_mosaic_4k python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
-      --causal 0 1 --part fwd
-    step 220 sweep_mosaic_bwd python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
-      --head-dim 128 --causal 0 1 --part bwd
-    for impl in mosaic triton; do
-      step 75 "softcap_$impl" python3 -m bench.sweep_attention \
-        --out "$out/softcap_$impl.json" --implementation $impl --defaults --softcap 30 \
-        --seq 4096 --head-dim 128 --causal 0 1
-    done
-    ;;
   17)
     # Since run 44 the GPU's Mosaic default takes P from registers and transposed views:
     # all its GPU tests (FA3's ping-pong with register operands among them), then each
