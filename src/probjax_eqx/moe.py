@@ -441,36 +441,35 @@ def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
         indices.append(index)
         rest = jnp.where(cols == index[..., None], -jnp.inf, rest)
     indices = jnp.stack(indices, axis=-1)
-    return _columns(scores, indices), indices
+    return _columns(scores.shape[-1], scores, indices), indices
 
 
-def _select_columns(x, indices):
+def _select_columns(num_columns: int, x, indices):
     """`x[..., indices[..., j]]` for each j, as selects (no gather, no scatter)."""
-    cols = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    cols = jnp.arange(num_columns, dtype=jnp.int32)
     picks = [jnp.where(cols == indices[..., j, None], x, 0) for j in range(indices.shape[-1])]
     return jnp.stack([jnp.sum(p, axis=-1) for p in picks], axis=-1)
 
 
-@jax.custom_vjp
-def _columns(scores, indices):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _columns(num_columns: int, scores, indices):
     """`_select_columns`, whose backward keeps the indices alone.
 
     Autodiff kept each pass's selected copy of the scores and its mask: 2.5 GiB at 1M
     tokens, 64 experts, top-8.
     """
-    return _select_columns(scores, indices)
+    return _select_columns(num_columns, scores, indices)
 
 
-def _columns_fwd(scores, indices):
-    return _select_columns(scores, indices), (indices, jnp.zeros(scores.shape[-1:], scores.dtype))
+def _columns_fwd(num_columns: int, scores, indices):
+    return _select_columns(num_columns, scores, indices), indices
 
 
-def _columns_bwd(residuals, d_values):
-    indices, row = residuals  # `row`: the scores' last axis, for its length and dtype
-    cols = jnp.arange(row.shape[0], dtype=jnp.int32)
+def _columns_bwd(num_columns: int, indices, d_values):
+    cols = jnp.arange(num_columns, dtype=jnp.int32)
     hits = [cols == indices[..., j, None] for j in range(indices.shape[-1])]
     d_scores = sum(jnp.where(hit, d_values[..., j, None], 0) for j, hit in enumerate(hits))
-    return jnp.asarray(d_scores, row.dtype), None
+    return jnp.asarray(d_scores, d_values.dtype), None
 
 
 _columns.defvjp(_columns_fwd, _columns_bwd)
