@@ -313,11 +313,17 @@ def test_top_k_by_passes_is_top_k(getkey, k):
     np.testing.assert_array_equal(*grads)
 
 
+def saved_residuals(capsys, fn, module, *args) -> str:
+    """What the backward of `fn(module, *args)` keeps (`print_saved_residuals`' listing)."""
+    params, static = eqx.partition(module, eqx.is_array)
+    print_saved_residuals(lambda p, *a: fn(eqx.combine(p, static), *a), params, *args)
+    return capsys.readouterr().out
+
+
 def test_top_k_by_passes_keeps_the_indices_alone(capsys):
     """Its backward needs the k indices of a row, not each pass's masked scores."""
-    scores = jnp.ones((50, 16))
-    print_saved_residuals(lambda s: jnp.sum(moe_module.top_k_by_passes(s, 8)[0]), scores)
-    saved = capsys.readouterr().out
+    top_k = lambda s: jnp.sum(moe_module.top_k_by_passes(s, 8)[0])  # noqa: E731
+    saved = saved_residuals(capsys, top_k, jnp.ones((50, 16)))
     assert "i32[50,8]" in saved and "[50,16]" not in saved, saved
 
 
@@ -504,10 +510,8 @@ def test_moe_backward_keeps_two_row_arrays(getkey, capsys, dispatch):
     (here on XLA) are 19 x 2."""
     moe = make_moe(getkey(), dispatch, top_k=2, compute_dtype="bfloat16")
     x = jax.random.normal(getkey(), (19, 16))
-    params, static = eqx.partition(moe, eqx.is_array)
-    loss = lambda p, x: jnp.sum(eqx.combine(p, static)(x)[0])  # noqa: E731
-    print_saved_residuals(loss, params, x)
-    shapes = re.findall(r"(?:bf16|f32)\[(\d+),(\d+)\]", capsys.readouterr().out)
+    saved = saved_residuals(capsys, lambda m, x: jnp.sum(m(x)[0]), moe, x)
+    shapes = re.findall(r"(?:bf16|f32)\[(\d+),(\d+)\]", saved)
     padded = dispatch == "mosaic"
     rows = [s for s in shapes if (int(s[0]) > 38 if padded else int(s[0]) == 38)]
     assert len(rows) == 2, rows
@@ -631,10 +635,8 @@ def test_shared_expert_keeps_its_projections_and_product_alone(getkey, capsys):
     (one array) and the SwiGLU product, not silu's intermediates (`swiglu`)."""
     shared = SwiGLU(16, 24, key=getkey())
     x = jax.random.normal(getkey(), (19, 16))
-    params, static = eqx.partition(shared, eqx.is_array)
-    loss = lambda p, x: jnp.sum(jax.vmap(eqx.combine(p, static))(x))  # noqa: E731
-    print_saved_residuals(loss, params, x)
-    rows = re.findall(r"f32\[19,(?:1,)?(\d+)\]", capsys.readouterr().out)
+    saved = saved_residuals(capsys, lambda m, x: jnp.sum(jax.vmap(m)(x)), shared, x)
+    rows = re.findall(r"f32\[19,(?:1,)?(\d+)\]", saved)
     assert sorted(map(int, rows)) == [16, 24, 48], rows  # x, the product, gate | up
     assert_close(jax.vmap(shared)(x), jax.vmap(lambda t: shared.down(
         jax.nn.silu(shared.gate(t)) * shared.up(t)))(x), jnp.float32)  # fmt: skip
@@ -644,7 +646,5 @@ def test_router_keeps_no_float32_copy_of_the_tokens(capsys):
     """The router's float32 logits of 16-bit tokens keep the tokens, not their cast."""
     moe = MoE(16, 24, num_experts=4, top_k=2, key=jax.random.key(0))
     x = jnp.ones((19, 16), jnp.bfloat16)
-    params, static = eqx.partition(moe, eqx.is_array)
-    loss = lambda p, x: jnp.sum(eqx.combine(p, static).route(x)[1])  # noqa: E731
-    print_saved_residuals(loss, params, x)
-    assert "f32[19,16]" not in capsys.readouterr().out
+    saved = saved_residuals(capsys, lambda m, x: jnp.sum(m.route(x)[1]), moe, x)
+    assert "f32[19,16]" not in saved
