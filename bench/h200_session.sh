@@ -22,6 +22,13 @@ step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print
   echo "== $name (exit $status)"
   grep -E " ms(/step.*)?$|passed|failed" "$log" | tail -40
 }
+gpu_tests() {  # gpu_tests SECONDS PYTEST_ARGS...: GPU tests, their pass list and failures
+  local limit=$1
+  shift
+  step $((limit + 10)) gpu_tests env OUT=/tmp/tests WORKERS="${WORKERS:-8}" LIMIT="$limit" \
+    bash -c 'mkdir -p $OUT; bash bench/gpu_tests.sh "$@"; cat $OUT/gpu_tests_by_name.txt; \
+      cat $OUT/failures.txt 2>/dev/null; tail -3 $OUT/gpu_tests.txt' _ "$@"
+}
 suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   local limit=$1 name=$2
   shift 2
@@ -120,10 +127,7 @@ case "${1:?stage 1 to 18}" in
     # (padded_matmul_combine: no [rows, d_model] products kept or re-read for the router
     # weights' gradient; run 34 put 24 ms of the 1M-token layer's backward outside its
     # matmuls). Its GPU tests, then the profile and the suite at 1M tokens: 67.96 ms.
-    step 120 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      LIMIT=110 bash bench/gpu_tests.sh -k "moe_dispatch_matches or auto_forward_is_mosaic"; \
-      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
-      tail -3 $OUT/gpu_tests.txt'
+    WORKERS=4 gpu_tests 110 -k "moe_dispatch_matches or auto_forward_is_mosaic"
     step 120 profile_moe python3 -m bench.profile_moe --out "$out/profile_moe.json" \
       --tokens 1048576 --dispatch mosaic fused_gsum --repeats 10
     suite 300 moe1m --suite moe --seq 1048576 --only "probjax moe auto" "probjax moe mosaic"
@@ -142,10 +146,7 @@ case "${1:?stage 1 to 18}" in
     # steps (131k: 9.40 / 12.82 / 13.95 ms; 1M: 67.35 / 99.96 / 103.6) and plan GiB.
     # With them session 15's default-on Mosaic attention backward (S and dP issued
     # together, GQA's heads summed in the dK/dV program): both sets of tests in one call.
-    step 320 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
-      LIMIT=310 bash bench/gpu_tests.sh -k "test_gpu_moe or (mosaic and test_gpu_attention)"; \
-      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
-      tail -3 $OUT/gpu_tests.txt'
+    gpu_tests 310 -k "test_gpu_moe or (mosaic and test_gpu_attention)"
     suite 200 moe_sorted --suite moe --seq 131072 1048576 \
       --only "probjax moe triton" "probjax moe xla" "probjax moe auto"
     # Which cuDNN each framework loads (torch SDPA cuDNN is 2-7% ahead of JAX's cuDNN
@@ -170,10 +171,7 @@ case "${1:?stage 1 to 18}" in
     # until timed. Their GPU tests (the register operands run only there), then the forward
     # configs at T 4096 and 16384 (#5's goal: 550 TFLOP/s at 16384, hd 128; run 16:
     # 0.602 ms at 4096, the default 0.617 in the suite).
-    step 220 gpu_tests env OUT=/tmp/tests WORKERS=4 bash -c 'mkdir -p $OUT; \
-      LIMIT=210 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
-      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
-      tail -3 $OUT/gpu_tests.txt'
+    WORKERS=4 gpu_tests 210 -k "mosaic and test_gpu_attention"
     step 330 sweep_mosaic_4k python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
       --causal 0 1 --part fwd
@@ -213,10 +211,7 @@ case "${1:?stage 1 to 18}" in
     # 2.40 / 2.09 / 1.84 ms; fwd 0.569 / 0.459 / 0.458), then the forward sweep, whose
     # first six configs include ping-pong with and without 40 TMA registers (tokamax's
     # forward ping-pongs with 40).
-    step 260 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
-      LIMIT=250 bash bench/gpu_tests.sh -k "mosaic and test_gpu_attention"; \
-      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
-      tail -3 $OUT/gpu_tests.txt'
+    gpu_tests 250 -k "mosaic and test_gpu_attention"
     step 150 ncu bash bench/ncu.sh "$out" attention bench.attention_work --launch 1 \
       mosaic tokamax-mosaic jax.nn-cudnn
     step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
