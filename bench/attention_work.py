@@ -17,17 +17,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bench.harness import device_work, tokamax
+from bench.harness import device_work, tokamax_peer
 from probjax_eqx import dot_product_attention, masks
 
 
 def _attend(impl: str, causal: bool):
     if impl == "tokamax-mosaic":
-        module = tokamax()
-        if isinstance(module, str):
-            raise NotImplementedError(module)
-        return functools.partial(module.dot_product_attention, is_causal=causal,
-                                 implementation="mosaic")  # fmt: skip
+        return tokamax_peer(lambda tk: functools.partial(
+            tk.dot_product_attention, is_causal=causal, implementation="mosaic"))  # fmt: skip
     if impl == "jax.nn-cudnn":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                  implementation="cudnn")  # fmt: skip
@@ -47,11 +44,7 @@ def main():
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
     for impl in args.impls:
-        try:
-            f = _attend(impl, args.causal)
-        except NotImplementedError as exc:
-            print(f"{impl}: {exc}")
-            continue
+        f = _attend(impl, args.causal)
 
         def loss(q, k, v, ct, f=f):
             return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
