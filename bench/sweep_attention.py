@@ -66,7 +66,16 @@ MOSAIC_FWD = [
     # Since run 44 the GPU's default has P in registers and K^T as a view of K's tiles;
     # tuples replace only the fields they name (rows record the resolved config).
     dict(p_in_registers=False, transposed_views=False),
+    # FA3's ping-pong (turns on named barriers, or mbarriers), alone and with its
+    # intra-warpgroup overlap, at FA3's and tokamax's register splits
+    dict(pingpong=True),
+    dict(pingpong=True, memory_registers=40),
+    dict(pingpong=True, memory_registers=40, named_turns=False),
+    dict(pingpong=True, overlap_softmax=True, memory_registers=24),
+    dict(pingpong=True, overlap_softmax=True, memory_registers=40),
+    dict(overlap_softmax=True, memory_registers=24),
     dict(num_stages=3),
+    dict(num_stages=3, pingpong=True, overlap_softmax=True, memory_registers=24),
     (128, 2, None, False),
     (128, 2, None, True),
     (128, 2, 40, False),

@@ -243,6 +243,21 @@ MOSAIC_SCHEDULES = {
     "fa3_pingpong": dict(
         pingpong=True, memory_registers=40, p_in_registers=True, transposed_views=True
     ),
+    "fa3_pingpong_mbarriers": dict(
+        pingpong=True,
+        named_turns=False,
+        memory_registers=40,
+        p_in_registers=True,
+        transposed_views=True,
+    ),
+    # FA3's whole forward: ping-pong around the intra-warpgroup overlap.
+    "fa3_forward": dict(
+        pingpong=True,
+        overlap_softmax=True,
+        memory_registers=24,
+        p_in_registers=True,
+        transposed_views=True,
+    ),
 }
 
 

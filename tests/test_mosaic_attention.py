@@ -65,8 +65,9 @@ def test_several_tiles_unaligned_fp16(getkey, q_len, kv_len, mask):
     )
     ct = jax.random.normal(getkey(), (1, q_len, 2, 72))
     # FA3's register split (off by default, measured slower on the H200) and ping-pong
-    # schedule (off until timed) stay exact.
-    check(q, k, v, ct, mask, dataclasses.replace(CFG, memory_registers=40, pingpong=True))
+    # schedule (off until timed; its turns on mbarriers here) stay exact.
+    config = dataclasses.replace(CFG, memory_registers=40, pingpong=True, named_turns=False)
+    check(q, k, v, ct, mask, config)
 
 
 @pytest.mark.parametrize(
@@ -101,12 +102,15 @@ def test_two_warpgroup_backward(getkey, q_len, kv_len, mask):
 )
 def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
     """overlap_softmax: each step's softmax runs beside the previous step's P @ V."""
-    batch = 1 if isinstance(mask, masks.Causal) else 2
+    causal = isinstance(mask, masks.Causal)
+    batch = 1 if causal else 2
     q, k, v = make_qkv(getkey(), batch=batch, q_len=q_len, kv_len=kv_len, q_heads=2,
                        kv_heads=1, qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), (batch, q_len, 2, 16))
-    # 128-key steps: the scores and P @ V products differ in shape.
-    config = dataclasses.replace(CFG, block_k=128, overlap_softmax=True, memory_registers=24)
+    # 128-key steps: the scores and P @ V products differ in shape. The causal case in
+    # FA3's ping-pong turns too, each around a step's two products.
+    config = dataclasses.replace(CFG, block_k=128, overlap_softmax=True, memory_registers=24,
+                                 pingpong=causal, named_turns=False)  # fmt: skip
     check(q, k, v, ct, mask, config)
 
 
@@ -163,8 +167,8 @@ def test_refusals_name_the_reason(getkey):
         MosaicAttentionConfig(block_k=32)
     with pytest.raises(ValueError, match="must be 64 or 128"):
         MosaicAttentionConfig(block_q_dq=192)
-    with pytest.raises(ValueError, match="two schedules"):
-        MosaicAttentionConfig(pingpong=True, overlap_softmax=True)
+    with pytest.raises(ValueError, match="named_turns needs the GPU"):
+        dataclasses.replace(CFG, pingpong=True)
     with pytest.raises(ValueError, match="p_in_registers needs the GPU"):
         dataclasses.replace(CFG, p_in_registers=True)
     if not JAX_011:

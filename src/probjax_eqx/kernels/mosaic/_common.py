@@ -7,6 +7,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from probjax_eqx.kernels.mosaic._compat import (
+    arith,
+    ir,  # pyright: ignore[reportPrivateImportUsage]
+    llvm,
+    mgpu_utils,
+)
+
 _REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
 _WG_THREADS = 128
 MEMORY_REGISTERS = 40  # per thread of a warpgroup that only issues TMA copies
@@ -64,6 +71,33 @@ def warp_specialized(compute, feed, memory_registers: int | None = MEMORY_REGIST
         if memory_registers is not None:
             plgpu.set_max_registers(memory_registers, action="decrease")
         feed()
+
+
+def named_barrier(instruction: str, first_id: int, other: bool = False) -> None:
+    """`bar.sync` / `bar.arrive` of the two compute warpgroups on a hardware named barrier.
+
+    Warpgroup w (0 or 1) names barrier `first_id + w`, or its partner's with `other`; the
+    barrier completes once both warpgroups (256 threads) reached it. GPU only: the
+    interpreter runs no inline PTX. Mosaic GPU takes barrier 0 and 1 + w for its own.
+    """
+
+    @plgpu.inline_mgpu()
+    def emit(ctx):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        wg = mgpu_utils.warpgroup_idx(sync=True)
+        if other:
+            wg = arith.xori(wg, mgpu_utils.c(1, i32))
+        barrier = arith.addi(wg, mgpu_utils.c(first_id, i32))
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [barrier],
+            f"bar.{instruction} $0, {2 * _WG_THREADS};",
+            "r",
+            has_side_effects=True,
+        )
+
+    emit()  # pyright: ignore[reportCallIssue] - inline_mgpu passes the context
 
 
 def swizzled(shape, dtype):

@@ -2,7 +2,8 @@
 
 jax 0.10 has the interpreter only under `jax._src`; 0.11 exports it. Both keep
 `reset_gpu_interpret_mode_state` private: it must run after a failed interpreted kernel,
-or the next one trips over stale shared-memory state.
+or the next one trips over stale shared-memory state. Code inlined into a kernel through
+`plgpu.inline_mgpu` builds MLIR with jaxlib's private `ir` and dialect modules.
 """
 
 import jax
@@ -23,6 +24,10 @@ except ImportError:  # pragma: no cover - only matters after an interpreter fail
         pass
 
 
+from jax._src.lib.mlir import ir  # pyright: ignore[reportPrivateImportUsage]
+from jax._src.lib.mlir.dialects import arith, llvm  # pyright: ignore[reportPrivateImportUsage]
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
 JAX_011 = jax.__version_info__ >= (0, 11)
 ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] - public, but not in __all__
 # The default lowering semantics changed between versions: always name it. Our reductions
@@ -37,5 +42,9 @@ __all__ = [
     "COMPILER_PARAMS",
     "JAX_011",
     "InterpretGPUParams",
+    "arith",
+    "ir",
+    "llvm",
+    "mgpu_utils",
     "reset_gpu_interpret_mode_state",
 ]

@@ -51,6 +51,7 @@ from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
     SMEM_LIMIT,
+    named_barrier,
     prefetching_loop,
     scratch_bytes,
     smem_refusal,
@@ -69,6 +70,7 @@ from probjax_eqx.masks import MaskContext
 
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
+_TURN_BARRIERS = 8  # ping-pong's named barriers 8 and 9 (CUTLASS keeps 0-7 for itself)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,19 +95,21 @@ class MosaicAttentionConfig:
             64K-register file. None (default) leaves the even split, 168 each: on the
             H200 (run 15, B4 H8 T4096 hd128) the forward took 0.602 ms with it and
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
-        pingpong: in the forward, the two compute warpgroups take turns on the tensor
-            cores (FA3's ping-pong schedule): one runs its softmax while the other's
-            matmuls run. Each warpgroup signals the other once its scores' product is
-            issued and waits for the other's signal before its P @ V (one-way turns;
-            run 16's rendezvous of the two took 0.629 ms against 0.620 without, B4 H8
-            T4096 hd128 on the H200). Off until timed.
+        pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
+            take turns issuing their step's products (the scores' product; with
+            `overlap_softmax` the previous step's P @ V too), so that one runs its
+            softmax while the other's products are on the tensor cores. Off until timed
+            (run 16's earlier form, a rendezvous before each P @ V, took 0.629 ms
+            against 0.620 without, B4 H8 T4096 hd128 on the H200).
+        named_turns: the ping-pong turns on two hardware named barriers (`bar.sync` /
+            `bar.arrive`, as FA3) instead of mbarriers in shared memory. GPU only: the
+            interpreter runs no inline PTX (set False to interpret `pingpong`).
         overlap_softmax: in the forward, FA3's intra-warpgroup overlap: step j's scores
             and softmax run while step j - 1's P @ V product is on the tensor cores.
             Staged in SMEM (without `p_in_registers`) that product is a float32 tile
-            more per thread (pair it with `memory_registers`). Not with `pingpong`. Off:
-            on the H200 (run 44, B4 H8 T4096 hd128) the forward took 0.626 ms with it
-            and 24 registers for the TMA warpgroup (1.074 ms with the even split),
-            0.616 ms without.
+            more per thread (pair it with `memory_registers`). Off: on the H200 (run
+            44, B4 H8 T4096 hd128) the forward took 0.626 ms with it and 24 registers
+            for the TMA warpgroup (1.074 ms with the even split), 0.616 ms without.
         p_in_registers: FA3's register mode. The products' left operands computed in
             the kernel (P forward; P^T, dS^T and dS backward) feed `wgmma` from
             registers instead of being staged in shared memory (which they then no
@@ -134,6 +138,7 @@ class MosaicAttentionConfig:
     num_stages: int = 2
     memory_registers: int | None = None
     pingpong: bool = False
+    named_turns: bool = True
     overlap_softmax: bool = False
     p_in_registers: bool = False
     transposed_views: bool = False
@@ -152,8 +157,11 @@ class MosaicAttentionConfig:
                 raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-        if self.pingpong and self.overlap_softmax:
-            raise ValueError("pingpong and overlap_softmax are two schedules: pick one")
+        if self.pingpong and self.named_turns and self.interpret:
+            raise ValueError(
+                "named_turns needs the GPU: the Mosaic GPU interpreter runs no inline PTX "
+                "(named_turns=False takes ping-pong turns on mbarriers)"
+            )
         if self.p_in_registers and self.interpret:
             raise ValueError(
                 "p_in_registers needs the GPU: the Mosaic GPU interpreter takes wgmma "
@@ -438,11 +446,11 @@ def _dot(a, b_smem, shape, while_running=None):
     return pl.run_scoped(run, ACC(shape, jnp.float32))
 
 
-def _overlapped(first, second, shapes, consume_first, left_running=0):
+def _overlapped(first, second, shapes, consume_first, left_running=0, after_issue=None):
     """Two products issued together; the first is consumed while the second runs.
 
     `first`, `second`: `(a, b)` operand pairs as `_dot` takes them, their products of
-    `shapes`.
+    `shapes`; `after_issue()` runs once both are issued.
     `consume_first(a @ b)` runs as soon as the first product is ready and may issue
     `left_running` further wgmmas, which stay in flight. Returns `(its result, the second
     product)`.
@@ -451,6 +459,8 @@ def _overlapped(first, second, shapes, consume_first, left_running=0):
     def run(first_acc, second_acc):
         plgpu.wgmma(first_acc, *first)
         plgpu.wgmma(second_acc, *second)
+        if after_issue is not None:
+            after_issue()
         result = consume_first(plgpu.wgmma_accumulator_load(first_acc, wait_n=1))
         return result, plgpu.wgmma_accumulator_load(second_acc, wait_n=left_running)
 
@@ -524,23 +534,32 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
         scalars = _scalar_values(st, op_refs, b, h)
         c = st.scale * LOG2E
 
-        # Ping-pong: warpgroup wg's scores product, once issued, lets the other
-        # warpgroup's P @ V go (`pass_turn`); its own P @ V waits for the other's
-        # scores (`await_turn`). Never two signals ahead: each barrier's parity holds.
-        def pass_turn():
-            plgpu.barrier_arrive(turn.at[1 - wg])
+        # Ping-pong (FA3): a warpgroup issues a step's products between `begin_turn` and
+        # `end_turn`, which hands the turn to the other. Turns strictly alternate, so no
+        # barrier is ever two signals ahead; both warpgroups take one turn a step.
+        def begin_turn():
+            if not cfg.pingpong:
+                return
+            if cfg.named_turns:
+                named_barrier("sync", _TURN_BARRIERS)
+            else:
+                plgpu.barrier_wait(turn.at[wg])
 
-        def await_turn():
-            plgpu.barrier_wait(turn.at[wg])
+        def end_turn():
+            if not cfg.pingpong:
+                return
+            if cfg.named_turns:
+                named_barrier("arrive", _TURN_BARRIERS, other=True)
+            else:
+                plgpu.barrier_arrive(turn.at[1 - wg])
 
-        handoff = pass_turn if cfg.pingpong else None
-        if cfg.pingpong:  # warpgroup 1 starts after warpgroup 0's first scores
-            pl.when(wg == 1)(await_turn)
+        pl.when(wg == 1)(end_turn)  # warpgroup 0 takes the first turn
 
-        def scores(j, slot, while_running=None):
-            """Step j's scores; K's slot is released once they are read."""
+        def scores(j, slot):
+            """Step j's scores, issued in a turn; K's slot is released once they are read."""
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _dot(q_smem.at[wg], kt_tile(slot), shape, while_running)
+            begin_turn()
+            s = _dot(q_smem.at[wg], kt_tile(slot), shape, end_turn)
             plgpu.barrier_arrive(k_free.at[slot])
             return s
 
@@ -584,12 +603,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             last = lax.rem(hi - 1 - lo, stages)
             return lax.cond(started, lambda c: last_product(c, last), lambda c: c, carry)
 
-        def await_v(slot):
-            """V's `slot` has arrived (ping-pong: and the tensor cores' turn)."""
-            plgpu.barrier_wait(v_bar.at[slot])
-            if cfg.pingpong:
-                await_turn()
-
         def await_overlapped(j):
             """The slots of step j's K and of step j - 1's V, once both have arrived."""
             slot, prev = lax.rem(j - lo, stages), lax.rem(j - 1 - lo, stages)
@@ -609,11 +622,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             def body(j, carry, masked):
                 acc, m, denom = carry
                 slot = lax.rem(j - lo, stages)
-                s = scores(j, slot, handoff)
+                s = scores(j, slot)
                 p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
                 acc = acc * _rows(alpha, acc.shape)
                 p = stage(p)
-                await_v(slot)
+                plgpu.barrier_wait(v_bar.at[slot])
                 acc = acc + _dot(p, v_smem.at[slot], acc.shape)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, denom
@@ -626,11 +639,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
                     plgpu.barrier_arrive(k_free.at[slot])
                     return softmax(j, slot, s, m, denom, masked)
 
+                begin_turn()
                 (p, m, alpha, denom), pv = _overlapped(
                     (q_smem.at[wg], kt_tile(slot)),
                     (p_smem_wg, v_smem.at[prev]),
                     (shape, acc.shape),
                     on_scores,
+                    after_issue=end_turn,
                 )
                 plgpu.barrier_arrive(v_free.at[prev])
                 stage(p)  # after P @ V, which read the previous P
@@ -667,10 +682,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             def body(j, carry, masked):
                 m, denom = carry
                 slot = lax.rem(j - lo, stages)
-                s = scores(j, slot, handoff)
+                s = scores(j, slot)
                 p, m, alpha, denom = softmax(j, slot, s, m, denom, masked)
                 rescale(o_acc[...], alpha)
-                await_v(slot)
+                plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.wgmma(o_acc, p.astype(dtype), v_smem.at[slot])
                 plgpu.wgmma_wait(0)  # before V's slot is released
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -681,8 +696,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
                 slot, prev = await_overlapped(j)
 
                 def run(s_acc):
+                    begin_turn()
                     plgpu.wgmma(s_acc, q_smem.at[wg], kt_tile(slot))
                     plgpu.wgmma(o_acc, held, v_smem.at[prev])  # step j - 1's P @ V
+                    end_turn()
                     s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, m_new, alpha, denom_new = softmax(j, slot, s, m, denom, masked)
@@ -717,8 +734,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             acc, m, denom = pl.run_scoped(in_place_loop, ACC((bq, st.dv), jnp.float32))
         else:
             acc, m, denom = staged_loop(p_smem)
-        if cfg.pingpong:  # the turn warpgroup 1's last P @ V waits for
-            pl.when(wg == 0)(pass_turn)
+        pl.when(wg == 0)(begin_turn)  # warpgroup 1's last hand-over: each turn taken
         empty = denom == 0.0
         safe = jnp.where(empty, 1.0, denom)
         rows = pl.ds(row0, bq)
