@@ -105,7 +105,7 @@ case "${1:?stage 1 to 18}" in
       LIMIT=235 bash bench/gpu_tests.sh -k "split_kv_decode or triton or ring"; \
       grep -E "PASSED|FAILED|ERROR" $OUT/gpu_tests.txt | sed "s/^.*::/::/" | sort | uniq -c; \
       cat $OUT/failures.txt 2>/dev/null | head -80; tail -3 $OUT/gpu_tests.txt'
-    step 90 ncu bash bench/ncu.sh "$out" decode bench.profile_decode \
+    step 90 ncu env NCU_LIMIT=75 bash bench/ncu.sh "$out" decode bench.profile_decode \
       auto/1/32768/8:q16 torch-flash/1/32768/8:q16 \
       auto/1/32768/8:q16:ragged auto/8/131072/32 torch-cudnn/8/131072/32
     suite 200 decode --suite decode --set q_len=1,16 --only "probjax auto" "jax.nn cudnn" \
@@ -212,8 +212,8 @@ case "${1:?stage 1 to 18}" in
     # first six configs include ping-pong with and without 40 TMA registers (tokamax's
     # forward ping-pongs with 40).
     gpu_tests 250 -k "mosaic and test_gpu_attention"
-    step 150 ncu bash bench/ncu.sh "$out" attention bench.attention_work --launch 1 \
-      mosaic tokamax-mosaic jax.nn-cudnn
+    step 150 ncu env NCU_LIMIT=130 bash bench/ncu.sh "$out" attention bench.attention_work \
+      --launch 1 mosaic tokamax-mosaic jax.nn-cudnn
     step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
       --causal 0 --part fwd
