@@ -220,17 +220,23 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     )  # noqa: E731
     cpu = DeviceInfo("cpu", "cpu", None)
     tiles = lambda cfg: (cfg.block_k, cfg.block_k_dkv, cfg.block_q_dq)  # noqa: E731
-    # The GPU's default takes FA3's register operands and transposed views (run 44);
-    # the interpreter's cannot, and stages P, P^T, dS^T, dS and the transposed tiles.
+    # The GPU's default takes FA3's register operands and transposed views (run 44) and
+    # its forward schedule (run 47); the interpreter's cannot, and stages P, P^T, dS^T,
+    # dS and the transposed tiles.
+    fa3_forward = lambda cfg: (cfg.pingpong, cfg.overlap_softmax, cfg.memory_registers)  # noqa: E731
     dense, interpreted = default_config(call(None), sm90), default_config(call(None), cpu)
     assert tiles(dense) == tiles(interpreted) == (128, 128, 128)
     assert dense.p_in_registers and dense.transposed_views and not dense.interpret
+    assert fa3_forward(dense) == (True, True, 24) and dense.named_turns
     assert not (interpreted.p_in_registers or interpreted.transposed_views)
+    assert fa3_forward(interpreted) == (False, False, None)
     # Segment-id tiles push the staged two-warpgroup dK/dV program over the limit (run
     # 16); the GPU's, without staging or transposed tiles, fits.
     segments = lambda device: default_config(call(masks.Segments(ids)), device)  # noqa: E731
     assert tiles(segments(cpu)) == (128, 64, 128)
     assert tiles(segments(sm90)) == (128, 128, 128)
+    # Segment ids keep the plain forward schedule (their GPU test with FA3's was cut).
+    assert fa3_forward(segments(sm90)) == (False, False, None)
     q, k, v = make_qkv(getkey(), batch=2, q_len=64, kv_len=64, qk_dim=128, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
     with pytest.raises(UnsupportedError, match="shared memory"):

@@ -42,8 +42,17 @@ CASES = {
         dict(block_k_dkv=128, block_q_dq=128),
         # P, P^T, dS^T, dS from registers (GPU only: the interpreter cannot run it).
         dict(p_in_registers=True, pingpong=True, memory_registers=40),
-        # FA3's whole forward; ping-pong turns on mbarriers instead of named barriers.
-        dict(p_in_registers=True, pingpong=True, overlap_softmax=True, memory_registers=24),
+        # FA3's whole forward (the GPU's default since run 47); ping-pong turns on
+        # mbarriers instead of named barriers.
+        dict(
+            p_in_registers=True,
+            transposed_views=True,
+            pingpong=True,
+            overlap_softmax=True,
+            memory_registers=24,
+            block_k_dkv=128,
+            block_q_dq=128,
+        ),
         dict(pingpong=True, named_turns=False, overlap_softmax=True, memory_registers=24),
         dict(p_in_registers=True, overlap_softmax=True, block_k_dkv=128, block_q_dq=128),
         # Transposed operands as SMEM views (GPU or jax >= 0.11's interpreter).
