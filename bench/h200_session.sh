@@ -5,12 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 17 (the Mosaic GPU tests whole under run 44's default,
-# and where its backward's time goes), 18 (the shared expert through `swiglu`), 1 (the
-# whole GPU suite: runs 43-45 were each cut before pytest's summary, with no failure
-# logged), 13, then 12's and 14's parts that runs 44-45 did not reach (the forward-only configs
-# after the first nine, the causal backward sweep, T 16384 beside the peers, SoftCap
-# causal), 11, 15.
+# Not yet run, in order of need: 17 (run 47's unfinished segment-id tests, the kernels'
+# counters, the 16k forward), 14 (the new default beside tokamax and cuDNN), 18 (the
+# shared expert through `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut before
+# pytest's summary, with no failure logged), 13, then 12's parts that runs 44-47 did not
+# reach (the causal backward sweep, SoftCap causal), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -187,8 +186,9 @@ case "${1:?stage 1 to 18}" in
       --head-dim 128 --causal 0 1 --part bwd
     ;;
   14)
-    # Fwd+bwd of Mosaic's default beside tokamax Mosaic and torch cuDNN in one run (run 16:
-    # 2.855 / 2.136 / 1.849 ms); set the winning stage-12/13 config as default first.
+    # Fwd+bwd of Mosaic's default (FA3's forward schedule since run 47) beside tokamax
+    # Mosaic and torch cuDNN in one run (run 45: 2.40 / 2.09 / 1.84 ms; fwd 0.569 /
+    # 0.459 / 0.458).
     suite 300 attention_mosaic --suite attention --seq 4096 16384 --set head_dim=128 \
       --only "probjax mosaic" "tokamax mosaic" "torch sdpa cudnn" "probjax auto"
     # SoftCap (Gemma's 30) inside Mosaic against Triton, each at its default config: the
@@ -205,18 +205,19 @@ case "${1:?stage 1 to 18}" in
     suite 400 set_transformer --suite set_transformer
     ;;
   17)
-    # Since run 44 the GPU's Mosaic default takes P from registers and transposed views:
-    # all its GPU tests (FA3's ping-pong with register operands among them), then each
-    # kernel's time beside tokamax Mosaic's and cuDNN's (run 45, T 4096 hd 128 fwd+bwd:
-    # 2.40 / 2.09 / 1.84 ms; fwd 0.569 / 0.459 / 0.458), then the forward sweep, whose
-    # first six configs include ping-pong with and without 40 TMA registers (tokamax's
-    # forward ping-pongs with 40).
-    gpu_tests 250 -k "mosaic and test_gpu_attention"
+    # Run 47 made FA3's forward schedule the GPU default (0.530 ms against 0.571, T 4096
+    # hd 128 fwd) and cut both its GPU-test calls: the segment-id cases of the FA3
+    # schedules (64-key dK/dV with register operands and views) started in both and
+    # finished in neither (a hang, or slow compiles?); the rest passed. Those cases alone
+    # with room, then each kernel's counters beside tokamax Mosaic's and cuDNN's (run 45,
+    # fwd+bwd 2.40 / 2.09 / 1.84 ms; fwd 0.569 / 0.459 / 0.458), then the new default's
+    # forward at T 16384 (run 46: 8.967 ms, 490 TFLOP/s; #5's goal 550).
+    WORKERS=4 gpu_tests 200 -k "segments and fa3"
     step 150 ncu env NCU_LIMIT=130 bash bench/ncu.sh "$out" attention bench.attention_work \
       --launch 1 mosaic tokamax-mosaic jax.nn-cudnn
-    step 170 sweep_mosaic_4k python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_4k.json" --implementation mosaic --seq 4096 --head-dim 128 \
-      --causal 0 --part fwd
+    step 200 sweep_mosaic_16k python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_16k.json" --implementation mosaic --seq 16384 \
+      --head-dim 128 --causal 0 --part fwd
     ;;
   18)
     # The shared expert's gate | up in one matmul through `swiglu`, the router's logits
