@@ -231,33 +231,20 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
     check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
 
 
+GPU_OPERANDS = dict(p_in_registers=True, transposed_views=True)  # FA3's, the GPU's default
 MOSAIC_SCHEDULES = {
     "pingpong": dict(pingpong=True),
     "overlap_softmax": dict(overlap_softmax=True, memory_registers=24),
     "p_in_registers": dict(p_in_registers=True),
     "transposed_views": dict(transposed_views=True),
-    "fa3_operands": dict(
-        overlap_softmax=True, memory_registers=24, p_in_registers=True, transposed_views=True
-    ),
+    "fa3_operands": dict(overlap_softmax=True, memory_registers=24, **GPU_OPERANDS),
     # FA3's forward as tokamax runs it: ping-pong, P from registers, 40 TMA registers.
-    "fa3_pingpong": dict(
-        pingpong=True, memory_registers=40, p_in_registers=True, transposed_views=True
-    ),
+    "fa3_pingpong": dict(pingpong=True, memory_registers=40, **GPU_OPERANDS),
     "fa3_pingpong_mbarriers": dict(
-        pingpong=True,
-        named_turns=False,
-        memory_registers=40,
-        p_in_registers=True,
-        transposed_views=True,
+        pingpong=True, named_turns=False, memory_registers=40, **GPU_OPERANDS
     ),
-    # FA3's whole forward: ping-pong around the intra-warpgroup overlap.
-    "fa3_forward": dict(
-        pingpong=True,
-        overlap_softmax=True,
-        memory_registers=24,
-        p_in_registers=True,
-        transposed_views=True,
-    ),
+    # FA3's whole forward (the GPU's default): ping-pong around the intra-warpgroup overlap.
+    "fa3_forward": dict(pingpong=True, overlap_softmax=True, memory_registers=24, **GPU_OPERANDS),
 }
 
 
