@@ -98,18 +98,20 @@ class MosaicAttentionConfig:
         pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
-            softmax while the other's products are on the tensor cores. Off until timed
-            (run 16's earlier form, a rendezvous before each P @ V, took 0.629 ms
-            against 0.620 without, B4 H8 T4096 hd128 on the H200).
+            softmax while the other's products are on the tensor cores. `default_config`
+            turns it on for the GPU with `overlap_softmax` and 24 TMA registers: run 47
+            (B4 H8 T4096 hd128, fwd) 0.530 ms, 0.565 with ping-pong alone (40 TMA
+            registers), 0.571 with neither.
         named_turns: the ping-pong turns on two hardware named barriers (`bar.sync` /
             `bar.arrive`, as FA3) instead of mbarriers in shared memory. GPU only: the
             interpreter runs no inline PTX (set False to interpret `pingpong`).
         overlap_softmax: in the forward, FA3's intra-warpgroup overlap: step j's scores
             and softmax run while step j - 1's P @ V product is on the tensor cores.
             Staged in SMEM (without `p_in_registers`) that product is a float32 tile
-            more per thread (pair it with `memory_registers`). Off: on the H200 (run
-            44, B4 H8 T4096 hd128) the forward took 0.626 ms with it and 24 registers
-            for the TMA warpgroup (1.074 ms with the even split), 0.616 ms without.
+            more per thread (pair it with `memory_registers`). With P in registers
+            (run 47, B4 H8 T4096 hd128, 24 TMA registers) 0.536 ms alone, 0.530 with
+            `pingpong`, 0.571 without either; staged, run 44 took 0.626 ms with it
+            (1.074 with the even register split), 0.616 ms without.
         p_in_registers: FA3's register mode. The products' left operands computed in
             the kernel (P forward; P^T, dS^T and dS backward) feed `wgmma` from
             registers instead of being staged in shared memory (which they then no
