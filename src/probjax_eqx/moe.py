@@ -444,11 +444,16 @@ def top_k_by_passes(scores: Array, k: int) -> tuple[Array, Array]:
     return _columns(scores.shape[-1], scores, indices), indices
 
 
+def _hits(num_columns: int, indices) -> list:
+    """For each j, the mask of column `indices[..., j]` over `num_columns` columns."""
+    cols = jnp.arange(num_columns, dtype=jnp.int32)
+    return [cols == indices[..., j, None] for j in range(indices.shape[-1])]
+
+
 def _select_columns(num_columns: int, x, indices):
     """`x[..., indices[..., j]]` for each j, as selects (no gather, no scatter)."""
-    cols = jnp.arange(num_columns, dtype=jnp.int32)
-    picks = [jnp.where(cols == indices[..., j, None], x, 0) for j in range(indices.shape[-1])]
-    return jnp.stack([jnp.sum(p, axis=-1) for p in picks], axis=-1)
+    hits = _hits(num_columns, indices)
+    return jnp.stack([jnp.sum(jnp.where(hit, x, 0), axis=-1) for hit in hits], axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -466,8 +471,7 @@ def _columns_fwd(num_columns: int, scores, indices):
 
 
 def _columns_bwd(num_columns: int, indices, d_values):
-    cols = jnp.arange(num_columns, dtype=jnp.int32)
-    hits = [cols == indices[..., j, None] for j in range(indices.shape[-1])]
+    hits = _hits(num_columns, indices)
     d_scores = sum(jnp.where(hit, d_values[..., j, None], 0) for j, hit in enumerate(hits))
     return jnp.asarray(d_scores, d_values.dtype), None
 
