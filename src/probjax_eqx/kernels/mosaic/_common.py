@@ -2,12 +2,14 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax_eqx.kernels.mosaic._compat import (
+    COMPILER_PARAMS,
     arith,
     ir,  # pyright: ignore[reportPrivateImportUsage]
     llvm,
@@ -20,6 +22,7 @@ MEMORY_REGISTERS = 40  # per thread of a warpgroup that only issues TMA copies
 SMEM_LIMIT = 227 * 1024  # sm_90 per-block opt-in maximum of shared memory
 _SMEM_ALIGNMENT = 1024  # Pallas Mosaic GPU starts every scratch buffer on a 1 KiB boundary
 _BARRIER_BYTES = 8  # one mbarrier
+_SWIZZLE_BYTES = 128
 
 
 def scratch_bytes(scratch) -> int:
@@ -73,22 +76,27 @@ def warp_specialized(compute, feed, memory_registers: int | None = MEMORY_REGIST
         feed()
 
 
-def named_barrier(instruction: str, first_id: int, other: bool = False) -> None:
+def named_barrier(
+    instruction: str, first_id: int, other: bool = False, shared: bool = False
+) -> None:
     """`bar.sync` / `bar.arrive` of the two compute warpgroups on a hardware named barrier.
 
-    Warpgroup w (0 or 1) names barrier `first_id + w`, or its partner's with `other`; the
-    barrier completes once both warpgroups (256 threads) reached it. GPU only: the
-    interpreter runs no inline PTX. Mosaic GPU takes barrier 0 and 1 + w for its own.
+    Warpgroup w (0 or 1) names barrier `first_id + w`, or its partner's with `other`;
+    with `shared` both name `first_id`. The barrier completes once both warpgroups (256
+    threads) reached it. GPU only: the interpreter runs no inline PTX. Mosaic GPU takes
+    barrier 0 and 1 + w for its own.
     """
 
     @plgpu.inline_mgpu()
     def emit(ctx):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        wg = mgpu_utils.warpgroup_idx(sync=True)
-        if other:
-            wg = arith.xori(wg, mgpu_utils.c(1, i32))
-        barrier = arith.addi(wg, mgpu_utils.c(first_id, i32))
+        barrier = mgpu_utils.c(first_id, i32)
+        if not shared:
+            wg = mgpu_utils.warpgroup_idx(sync=True)
+            if other:
+                wg = arith.xori(wg, mgpu_utils.c(1, i32))
+            barrier = arith.addi(wg, barrier)
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"),
             [barrier],
@@ -102,8 +110,11 @@ def named_barrier(instruction: str, first_id: int, other: bool = False) -> None:
 
 def swizzled(shape, dtype):
     """A shared-memory buffer in the 128-byte-swizzled tiling that TMA and wgmma share."""
+    row = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize  # elements in one swizzled row
     return plgpu.SMEM(
-        shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        shape,
+        dtype,
+        transforms=(plgpu.TilingTransform((8, row)), plgpu.SwizzleTransform(_SWIZZLE_BYTES)),
     )
 
 
@@ -155,3 +166,91 @@ def tma_ring(count, stages: int, parts):
     def _(n):
         for free, _ in parts:
             plgpu.barrier_wait(free.at[lax.rem(n, stages)])
+
+
+def accumulating_kernel(
+    body,
+    *,
+    out_type,
+    accumulator: jax.ShapeDtypeStruct,
+    scratch_types,
+    grid,
+    grid_names,
+    num_threads=None,
+    thread_name=None,
+    interpret=None,
+):
+    """`plgpu.kernel` with a zero-initialised GMEM `accumulator` that programs add into.
+
+    `body(*inputs, accumulator_ref, *outputs, *scratch)`; programs add their shares with
+    `plgpu.copy_smem_to_gmem(..., reduction_op="add")` (TMA reductions in the L2). Returns
+    `(*outputs, accumulator)`. The accumulator is a mutable GMEM ref that the kernel call
+    aliases, which `plgpu.kernel` does not take: this runs `pl.kernel` on a `plgpu.Mesh`.
+    On the GPU with `plgpu.kernel`'s batching (a vmapped axis becomes a leading grid axis),
+    the ref held by `pl.run_state` so that no effect leaves `custom_vmap`; interpreted
+    (whose GMEM refs must say so, which `run_state`'s cannot) without batching.
+    """
+    mesh = plgpu.Mesh(
+        grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name
+    )
+    out_type = tuple(out_type)
+
+    def kernel_body(*refs):
+        pl.run_scoped(
+            lambda *scratch: body(*refs, *scratch),
+            *scratch_types,
+            collective_axes=thread_name if thread_name is not None else (),
+        )
+
+    def launch(inputs, acc_ref):
+        return pl.kernel(
+            kernel_body, out_type=out_type, mesh=mesh, compiler_params=COMPILER_PARAMS,
+            interpret=interpret,
+        )(*inputs, acc_ref)  # fmt: skip  # pyright: ignore[reportCallIssue]
+
+    zeros = lambda t: jnp.zeros(t.shape, t.dtype)  # noqa: E731
+    if interpret is not None:
+
+        def interpreted(*inputs):
+            acc = jax.new_ref(zeros(accumulator), memory_space=plgpu.GMEM)
+            outs = launch(inputs, acc)
+            return (*outs, acc[...])
+
+        return jax.jit(interpreted)  # a ref with a memory space lives only under jit
+
+    @custom_batching.custom_vmap
+    def run(*inputs):
+        def stateful(refs):
+            acc_ref, out_refs = refs
+            for ref, value in zip(out_refs, launch(inputs, acc_ref)):
+                ref[...] = value
+
+        acc, outs = pl.run_state(stateful)((zeros(accumulator), [zeros(t) for t in out_type]))
+        return (*outs, acc)
+
+    @run.def_vmap
+    def _batched(axis_size, in_batched, *inputs):
+        axis = object()  # a fresh grid axis name, as `plgpu.kernel` batches
+        n_in = len(inputs)
+
+        def batched_body(*refs):
+            index = lax.axis_index(axis)
+            ins = [ref.at[index] if b else ref for ref, b in zip(refs[:n_in], in_batched)]
+            n_out = len(out_type) + 1  # the accumulator, then the outputs
+            outs = [ref.at[index] for ref in refs[n_in : n_in + n_out]]
+            body(*ins, *outs, *refs[n_in + n_out :])
+
+        stacked = lambda t: jax.ShapeDtypeStruct((axis_size, *t.shape), t.dtype)  # noqa: E731
+        outs = accumulating_kernel(
+            batched_body,
+            out_type=[stacked(t) for t in out_type],
+            accumulator=stacked(accumulator),
+            scratch_types=scratch_types,
+            grid=(axis_size, *grid),
+            grid_names=(axis, *grid_names),
+            num_threads=num_threads,
+            thread_name=thread_name,
+        )(*inputs)
+        return outs, (True,) * len(outs)
+
+    return run
