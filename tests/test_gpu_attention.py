@@ -1,5 +1,7 @@
 """GPU tests (`pytest --gpu`): kernels that cannot run on the CPU, at real sizes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,6 +247,11 @@ MOSAIC_SCHEDULES = {
     ),
     # FA3's whole forward (the GPU's default): ping-pong around the intra-warpgroup overlap.
     "fa3_forward": dict(pingpong=True, overlap_softmax=True, memory_registers=24, **GPU_OPERANDS),
+    # FA3's backward: dQ's products in the dK/dV kernel, added by TMA reductions.
+    "fa3_backward": dict(fused_dq=True, **GPU_OPERANDS),
+    "fa3": dict(
+        pingpong=True, overlap_softmax=True, memory_registers=24, fused_dq=True, **GPU_OPERANDS
+    ),  # fmt: skip
 }
 
 
@@ -252,21 +259,45 @@ MOSAIC_SCHEDULES = {
 @pytest.mark.parametrize("name", ["causal_bottom_right_unaligned", "kv_lengths", "segments"])
 def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedule):
     """FA3's forward schedules, register operands and transposed views (the last two are
-    beyond jax 0.10's CPU interpreter)."""
-    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
+    beyond jax 0.10's CPU interpreter), and its backward's dQ in the dK/dV kernel."""
+    from probjax_eqx.kernels.mosaic._common import smem_refusal
+    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
 
     mask, lq, lkv = MOSAIC_CASES[name]
     q, k, v = make_qkv(getkey(), batch=2, q_len=lq, kv_len=lkv, q_heads=8, kv_heads=2,
                        qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
-    # Segment-id tiles leave no shared memory for the two-warpgroup dK/dV program.
-    two_wg_dkv = 64 if name == "segments" else 128
-    config = MosaicAttentionConfig(
-        block_k_dkv=two_wg_dkv, block_q_dq=128, **MOSAIC_SCHEDULES[schedule]
-    )
+    # Staged without views, segment-id tiles leave no room for 128-key dK/dV programs.
+    config = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128, **MOSAIC_SCHEDULES[schedule])
+    segments = int(name == "segments")
+    if smem_refusal(smem_bytes(config, 128, 128, segments, segments)):
+        config = dataclasses.replace(config, block_k_dkv=64)
     f = lambda q, k, v: dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, implementation="mosaic", config=config
     )
+    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
+    """`fused_dq` under jax.vmap (the accumulator's batching: a leading grid axis), GQA
+    with 4 query heads a KV head, each against the unbatched calls; one TMA stage too
+    (the CPU interpreter hung on it at head dim 128)."""
+    from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
+
+    config = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128, num_stages=num_stages,
+                                   **MOSAIC_SCHEDULES["fa3"])  # fmt: skip
+    q, k, v = make_qkv(getkey(), batch=3, q_len=300, kv_len=700, q_heads=8, kv_heads=2,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    mask = masks.Causal("bottom_right")
+
+    def f(q, k, v):  # one batch element as vmap sees it: `[1, seq, heads, dim]`
+        one = lambda q, k, v: dot_product_attention(  # noqa: E731
+            q[None], k[None], v[None], mask=mask, implementation="mosaic", config=config
+        )[0]
+        return jax.vmap(one)(q, k, v)
+
     check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
 
 

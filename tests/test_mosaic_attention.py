@@ -6,6 +6,7 @@ padding (lengths and head dims off the 64-row tiles), GQA and several tiles per 
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 from _attention_cases import MASKS, make_qkv
 from _check import check_against_oracle
 from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_attention, masks
+from probjax_eqx.kernels.mosaic import attention as mosaic_attention
 from probjax_eqx.kernels.mosaic._compat import JAX_011
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
 
@@ -114,6 +116,31 @@ def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
     check(q, k, v, ct, mask, config)
 
 
+@pytest.mark.parametrize(
+    "batch, qk_dim, num_stages, mask",
+    [
+        # One 64-row block of dQ^T: warpgroup 0 adds it. Two query heads over one KV head
+        # (steps carry on across GQA members); a batch element with no keys, one with a
+        # half-empty second key program.
+        (2, 16, 1, masks.KVLengths(jnp.array([0, 170]))),
+        # Two blocks, one each; masked tiles at both ends of the dK/dV programs' loops.
+        (1, 72, 2, masks.Causal("bottom_right")),
+    ],
+)
+def test_fused_dq_backward(getkey, batch, qk_dim, num_stages, mask):
+    """fused_dq: dQ's products in the dK/dV program, both warpgroups' dS^T through shared
+    memory, dQ^T's shares added up outside (interpreted: per-program buffers)."""
+    q, k, v = make_qkv(getkey(), batch=batch, q_len=150, kv_len=200, q_heads=2, kv_heads=1,
+                       qk_dim=qk_dim, v_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), (batch, 150, 2, 16))
+    config = dataclasses.replace(CFG, block_k_dkv=128, fused_dq=True, num_stages=num_stages)
+    # The kernels themselves: the staged (interpreted) layout at head dim 128 exceeds the
+    # GPU's shared memory, which the interpreter does not have.
+    f = functools.partial(mosaic_attention.flash_attention, mask=mask, score_mod=None,
+                          scale=qk_dim**-0.5, config=config)  # fmt: skip
+    check_against_oracle(f, q, k, v, ct, mask=mask)
+
+
 @pytest.mark.skipif(not JAX_011, reason="jax 0.10's interpreter cannot read transposed views")
 def test_transposed_views(getkey):
     """transposed_views: K^T, Q^T, dO^T, V^T as views of the tiles TMA brought in."""
@@ -169,6 +196,8 @@ def test_refusals_name_the_reason(getkey):
         MosaicAttentionConfig(block_q_dq=192)
     with pytest.raises(ValueError, match="named_turns needs the GPU"):
         dataclasses.replace(CFG, pingpong=True)
+    with pytest.raises(ValueError, match="fused_dq needs block_k_dkv=128"):
+        dataclasses.replace(CFG, fused_dq=True)
     with pytest.raises(ValueError, match="p_in_registers needs the GPU"):
         dataclasses.replace(CFG, p_in_registers=True)
     if not JAX_011:

@@ -22,6 +22,9 @@ def lower_value_and_grads(f, argnums, *args):
     return lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+FA3_GPU = dict(p_in_registers=True, transposed_views=True, pingpong=True, overlap_softmax=True,
+               memory_registers=24, block_q_dq=128)  # fmt: skip
+
 CASES = {
     "plain": None,
     "causal": masks.Causal(),
@@ -44,20 +47,15 @@ CASES = {
         dict(p_in_registers=True, pingpong=True, memory_registers=40),
         # FA3's whole forward (the GPU's default since run 47); ping-pong turns on
         # mbarriers instead of named barriers.
-        dict(
-            p_in_registers=True,
-            transposed_views=True,
-            pingpong=True,
-            overlap_softmax=True,
-            memory_registers=24,
-            block_k_dkv=128,
-            block_q_dq=128,
-        ),
+        dict(block_k_dkv=128, **FA3_GPU),
         dict(pingpong=True, named_turns=False, overlap_softmax=True, memory_registers=24),
         dict(p_in_registers=True, overlap_softmax=True, block_k_dkv=128, block_q_dq=128),
         # Transposed operands as SMEM views (GPU or jax >= 0.11's interpreter).
         dict(transposed_views=True),
         dict(transposed_views=True, p_in_registers=True, block_k_dkv=128, block_q_dq=128),
+        # dQ in the dK/dV kernel: TMA reductions, named barriers, K^T from views.
+        dict(fused_dq=True, block_k_dkv=128),
+        dict(fused_dq=True, block_k_dkv=128, **FA3_GPU),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):
@@ -112,3 +110,29 @@ def test_a_config_that_just_fits_lowers():
         mosaic_attention.flash_attention, mask=None, score_mod=None, scale=0.125, config=config
     )
     assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
+
+
+def test_fused_dq_lowers_under_vmap_at_head_dim_128():
+    """`fused_dq`'s kernel takes its float32 accumulator as an aliased ref, batched by
+    a vmapped axis as a leading grid axis (`accumulating_kernel`), nested vmaps too."""
+    config = mosaic_attention.MosaicAttentionConfig(fused_dq=True, block_k_dkv=128, **FA3_GPU)
+    q = k = v = jnp.ones((3, 2, 1, 130, 2, 128), jnp.bfloat16)
+    f = functools.partial(
+        mosaic_attention.flash_attention, mask=masks.Causal(), score_mod=None, scale=0.125,
+        config=config,
+    )  # fmt: skip
+    lowered = lower_value_and_grads(jax.vmap(jax.vmap(f)), (0, 1, 2), q, k, v)
+    assert "mosaic_gpu" in lowered and "output_operand_alias" in lowered
+
+
+def test_fused_dq_shared_memory_is_counted_as_mosaic_counts_it():
+    """Mosaic's own count, from its refusal of a config over the limit: the staged
+    `fused_dq` layout at head dim 128 (the interpreter's; the GPU's takes views)."""
+    config = mosaic_attention.MosaicAttentionConfig(fused_dq=True, block_k_dkv=128)
+    need = mosaic_attention.smem_bytes(config, 128, 128)["dkv"]
+    q = k = v = jnp.ones((1, 128, 1, 128), jnp.bfloat16)
+    f = functools.partial(
+        mosaic_attention.flash_attention, mask=None, score_mod=None, scale=0.125, config=config
+    )
+    with pytest.raises(ValueError, match=f"smem_bytes={need} > "):
+        lower_value_and_grads(f, (0, 1, 2), q, k, v)

@@ -11,14 +11,16 @@ with TMA while it computes the current one; with `block_k_dkv=128` the dK/dV pro
 instead has two compute warpgroups of 64 keys sharing each query tile, fed by a TMA
 warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing each key
 tile). Every backward step issues its two score-side products (S and dP) together and
-computes P while dP runs.
+computes P while dP runs. With `fused_dq` (FA3's backward) the dK/dV program also computes
+dQ's share of each step and adds it by TMA reductions into a float32 dQ^T: no dQ kernel,
+and no second pass over S and dP.
 
 By default the wrapper passes the operands that appear transposed (K in QK^T, Q and dO
 in the dK/dV kernel, K and V in the dQ kernel) as `[batch, heads, dim, seq]` copies (one
 XLA transpose each), and P and dS reach `wgmma` through shared memory: jax 0.10's
 interpreter (our CPU CI) runs neither transposed shared-memory views nor register
 operands. FA3 holds them as views and in registers; `transposed_views` and
-`p_in_registers` do so on the GPU, where they are tested (off until timed).
+`p_in_registers` do so on the GPU, whose `default_config` takes both.
 
 Masks run inside the kernels on the same tile ranges as the Triton kernels
 (`_tiles.block_ranges`): tiles a mask empties are neither loaded nor computed, tiles it
@@ -51,6 +53,7 @@ from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
     SMEM_LIMIT,
+    accumulating_kernel,
     named_barrier,
     prefetching_loop,
     scratch_bytes,
@@ -71,6 +74,7 @@ from probjax_eqx.masks import MaskContext
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
 _TURN_BARRIERS = 8  # ping-pong's named barriers 8 and 9 (CUTLASS keeps 0-7 for itself)
+_PAIR_BARRIER = 10  # `fused_dq`: both compute warpgroups' dS^T are in shared memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +132,14 @@ class MosaicAttentionConfig:
             interpreter) only: jax 0.10's interpreter cannot read transposed views.
             `default_config` turns it on for the GPU: run 44 fwd+bwd 2.602 ms with it,
             2.970 without.
+        fused_dq: FA3's backward: dQ's products run in the dK/dV kernel, with no dQ
+            kernel (5 products a step instead of 7). Each step the two compute
+            warpgroups stage dS^T in shared memory, split dQ^T = K^T dS^T along the
+            head dim and add their shares by TMA reductions into a float32 dQ^T in
+            global memory (in no fixed order: dQ is not bitwise reproducible). Needs
+            `block_k_dkv=128`. Interpreted, each program writes its shares to a
+            buffer of its own, summed by XLA: jax 0.10's interpreter has no TMA
+            reductions. Not yet timed on the GPU, so `default_config` leaves it off.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -144,6 +156,7 @@ class MosaicAttentionConfig:
     overlap_softmax: bool = False
     p_in_registers: bool = False
     transposed_views: bool = False
+    fused_dq: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -157,6 +170,11 @@ class MosaicAttentionConfig:
         for field in ("block_q", "block_q_dkv"):
             if getattr(self, field) != _WG_ROWS:
                 raise ValueError(f"{field} must be {_WG_ROWS} (one warpgroup's wgmma rows)")
+        if self.fused_dq and self.block_k_dkv != 2 * _WG_ROWS:
+            raise ValueError(
+                "fused_dq needs block_k_dkv=128: the dK/dV program's two compute "
+                "warpgroups split dQ's products"
+            )
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
         if self.pingpong and self.named_turns and self.interpret:
@@ -233,7 +251,8 @@ def _forward_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_p
 def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0):
     """Shared-memory buffers of a dK/dV program.
 
-    With `block_k_dkv=128` two compute warpgroups (64 keys each) share the query ring.
+    With `block_k_dkv=128` two compute warpgroups (64 keys each) share the query ring;
+    with `fused_dq` they also hold `_fused_dq_scratch`.
     """
     stages, bq, bk = cfg.num_stages, cfg.block_q_dkv, cfg.block_k_dkv
     wgs = bk // _WG_ROWS
@@ -247,16 +266,36 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
     ]
+    own_tiles = 2 + n_kv_pos + int(cfg.fused_dq and not views)  # K, V, ids (and K^T)
     return [
         swizzled((*keys, d), dtype),
         swizzled((*keys, dv), dtype),
         *ring,
-        plgpu.Barrier(num_arrivals=1, num_barriers=(2 + n_kv_pos) * wgs),
+        plgpu.Barrier(num_arrivals=1, num_barriers=own_tiles * wgs),
         plgpu.Barrier(num_arrivals=1, num_barriers=(len(ring) + n_q_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(keys, jnp.int32)] * n_kv_pos,
         *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
-        *_staging(cfg, (*keys, bq), dtype, count=2),
+        *(_fused_dq_scratch(cfg, d, dtype) if cfg.fused_dq else []),
+        # P^T's and dS^T's staging (`fused_dq` stages dS^T for dQ anyway).
+        *_staging(cfg, (*keys, bq), dtype, count=1 if cfg.fused_dq else 2),
+    ]
+
+
+def _fused_dq_scratch(cfg: MosaicAttentionConfig, d, dtype):
+    """`fused_dq`'s buffers.
+
+    dS^T of both warpgroups, double-buffered by step parity (a warpgroup writes step
+    n + 1's while the other still reads step n's); dQ^T's float32 staging for the TMA
+    reductions; without views, K^T; interpreted, the warpgroups' meeting point (on the
+    GPU a named barrier).
+    """
+    bq = cfg.block_q_dkv
+    return [
+        swizzled((2, 2, _WG_ROWS, bq), dtype),
+        swizzled((2, _fused_dq_rows(d)[0], bq), jnp.float32),
+        *([] if cfg.transposed_views else [swizzled((2, d, _WG_ROWS), dtype)]),
+        *([plgpu.Barrier(num_arrivals=2, num_barriers=2)] if cfg.interpret else []),
     ]
 
 
@@ -818,11 +857,14 @@ def _query_tile_views(refs, id_refs, b, h, rows, views: bool):
             *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
 
 
-def _dkv_step(st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, accs, masked):
+def _dkv_step(
+    st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, accs, masked, fused=None
+):
     """Add query head h's tile `i` to a warpgroup's dK/dV accumulators (64 keys from key0).
 
     `ring`: Q, Q^T, dO, dO^T, lse, delta buffers; `tiles`: the keys' K, V and the P^T, dS^T
-    staging buffers; `own` / `step`: segment-id buffers of the keys / the ring.
+    staging buffers; `own` / `step`: segment-id buffers of the keys / the ring; `fused`:
+    the step's `_FusedDq` (`fused_dq`).
     """
     q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem = ring
     k_smem, v_smem, pt_smem, dst_smem = tiles
@@ -851,8 +893,94 @@ def _dkv_step(st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, ac
         left_running=1,
     )
     dst = _times_slope(st, pt * (dpt - _cols(delta_smem.at[slot][...], shape)), slope)
-    plgpu.wgmma(dk_acc, _a_operand(dst, dtype, dst_smem), q_smem.at[slot])
+    if fused is None:
+        plgpu.wgmma(dk_acc, _a_operand(dst, dtype, dst_smem), q_smem.at[slot])
+    else:  # dS^T into SMEM for dQ's products, read from there by dK's too unless in registers
+        staged = fused.stage(dst.astype(dtype))
+        plgpu.wgmma(dk_acc, dst.astype(dtype) if st.config.p_in_registers else staged,
+                    q_smem.at[slot])  # fmt: skip
+        fused.add_dq()  # while dK's product runs
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedDq:
+    """One dK/dV step's share of dQ (`fused_dq`), for compute warpgroup `wg` (0 or 1).
+
+    dQ^T[rows] = K^T[rows] dS^T over the program's 128 keys: each warpgroup takes half
+    the head dim's rows (`_fused_dq_rows`), both warpgroups' dS^T (`pair_ds_t.at[parity]`)
+    and both halves of K^T (`kt_of(half, rows)`: `[rows, 64 keys]`), and adds its float32
+    share to `dest(first row, rows)` by a TMA reduction (interpreted: a plain copy to the
+    program's own buffer).
+    """
+
+    st: _Static
+    wg: Any
+    parity: Any
+    pair_ds_t: Any
+    dq_stage: Any
+    kt_of: Any
+    dest: Any
+    pair_bar: Any
+
+    def stage(self, ds_t):
+        """This warpgroup's dS^T into the pair's SMEM: dQ's right operand."""
+        part = self.pair_ds_t.at[self.parity, self.wg]
+        part[...] = ds_t
+        plgpu.commit_smem()
+        return part
+
+    def add_dq(self):
+        _meet(self.pair_bar, self.parity)  # both warpgroups' dS^T are in SMEM
+        bq = self.st.config.block_q_dkv
+        m, overlap = _fused_dq_rows(self.st.d)
+        # Warpgroup 1's rows end at d; with an odd count of 64-row blocks its first
+        # `overlap` rows are warpgroup 0's too, and only warpgroup 0 adds them.
+        r0 = self.wg * (self.st.d - m)
+
+        def product(acc):
+            for half in range(2):
+                kt = self.kt_of(half, pl.ds(r0, m))
+                plgpu.wgmma(acc, kt, self.pair_ds_t.at[self.parity, half])
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        dq_t = pl.run_scoped(product, ACC((m, bq), jnp.float32))
+        stage = self.dq_stage.at[self.wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's is read
+        stage[...] = dq_t
+        plgpu.commit_smem()
+        reduce = None if self.st.config.interpret else "add"
+
+        def add(first, rows):
+            plgpu.copy_smem_to_gmem(
+                stage.at[pl.ds(first, rows)], self.dest(r0 + first, rows), reduction_op=reduce
+            )
+
+        if not overlap:
+            add(0, m)
+        else:
+            pl.when(self.wg == 0)(lambda: add(0, m))
+            if m > overlap:
+                pl.when(self.wg == 1)(lambda: add(overlap, m - overlap))
+
+
+def _meet(pair_bar, parity):
+    """Both compute warpgroups got here: a named barrier, or (interpreted) `pair_bar`."""
+    if pair_bar is None:
+        named_barrier("sync", _PAIR_BARRIER, shared=True)
+    else:
+        plgpu.barrier_arrive(pair_bar.at[parity])
+        plgpu.barrier_wait(pair_bar.at[parity])
+
+
+def _fused_dq_rows(d: int) -> tuple[int, int]:
+    """Rows of dQ^T's head dim per warpgroup, and how many both warpgroups' shares hold.
+
+    Whole 64-row blocks, half of them rounded up: with an odd count the shares overlap.
+    """
+    m = _WG_ROWS * -(-d // (2 * _WG_ROWS))
+    return m, 2 * m - d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -882,10 +1010,11 @@ def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
     """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
 
     `compute(loop, wg)` holds the accumulators and calls `loop(step)`, which runs
-    `step(g, i, slot, masked)` for every member g (of `members`, e.g. the query heads
-    sharing a KV head) and tile i, with their operands (`views_of(g, i)`) in ring slot
-    `slot`. Without `ring.free` one warpgroup (wg None) prefetches the next step's
-    operands before computing the current one; with it, warpgroups 0 and 1 compute
+    `step(g, i, n, slot, masked)` for every member g (of `members`, e.g. the query heads
+    sharing a KV head) and tile i, the program's step n, with their operands
+    (`views_of(g, i)`) in ring slot `slot`. Without `ring.free` one warpgroup (wg None)
+    prefetches the next step's operands before computing the current one; with it,
+    warpgroups 0 and 1 compute
     (wg 0, 1) while warpgroup 2 streams the operands through the ring (`tma_ring`),
     with FA3's register split.
     """
@@ -904,7 +1033,7 @@ def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
                     n = g * count + i - lo
                     slot = lax.rem(n, stages)
                     before(n, slot)
-                    step(g, i, slot, masked)
+                    step(g, i, n, slot, masked)
                     after(slot)
                     return carry
 
@@ -947,26 +1076,38 @@ def _dkv_kernel(*refs, st, rebuild):
     Each query tile of the program's range, of every query head sharing the KV head (GQA:
     their shares add up in the float32 accumulators). 64 keys: one warpgroup; 128: two
     compute warpgroups of 64 keys sharing each query tile, fed by a TMA warpgroup
-    (`_backward_program`).
+    (`_backward_program`); with `fused_dq` they also add each step's dQ (`_FusedDq`).
     """
     n_ops = len(st.kinds)
     k_ref, v_ref = refs[2:4]
     sources = (refs[0], refs[1], *refs[4:8])  # Q, Q^T, dO, dO^T, lse, delta
     op_refs = refs[12 : 12 + n_ops]
-    dk_ref, dv_ref = refs[12 + n_ops : 14 + n_ops]
     cfg = st.config
-    views = cfg.transposed_views
+    views, fused_dq = cfg.transposed_views, cfg.fused_dq
+    rest = refs[12 + n_ops :]
+    kt_ref: Any = None
+    dq_t_ref: Any = None
+    if fused_dq:  # (without views the wrapper's K^T), dQ^T's float32 accumulator
+        (kt_ref, dq_t_ref, *rest) = rest if not views else (None, *rest)
+    dk_ref, dv_ref, *rest = rest
     if views:  # Q^T and dO^T are views of Q's and dO's tiles
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, bars,
-         *rest) = refs[14 + n_ops :]  # fmt: skip
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, bars, *rest = rest
         qt_smem, dot_smem = q_smem, do_smem
         loaded = (q_smem, do_smem, lse_smem, delta_smem)
     else:
         (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
-         bars, *rest) = refs[14 + n_ops :]  # fmt: skip
+         bars, *rest) = rest  # fmt: skip
         loaded = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
-    # P^T and dS^T's SMEM staging (`_staging`), unless they stay in registers.
-    staging, rest = (rest[-2:], rest[:-2]) if not cfg.p_in_registers else ((None, None), rest)
+    # P^T's and dS^T's SMEM staging (`_staging`), unless they stay in registers.
+    n_staged = 0 if cfg.p_in_registers else 1 if fused_dq else 2
+    staging = [None, None]
+    staging[:n_staged], rest = rest[len(rest) - n_staged :], rest[: len(rest) - n_staged]
+    if fused_dq:
+        n_fused = len(_fused_dq_scratch(cfg, st.d, k_smem.dtype))
+        fused_bufs, rest = rest[len(rest) - n_fused :], rest[: len(rest) - n_fused]
+        pair_ds_t, dq_stage, *fused_bufs = fused_bufs
+        kt_smem: Any = None if views else fused_bufs.pop(0)
+        pair_bar = fused_bufs[0] if fused_bufs else None
     free, pos = (rest[0], rest[1:]) if cfg.block_k_dkv > _WG_ROWS else (None, rest)
     # Segment ids: the program's own key ids, and a ring of query ids per step.
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
@@ -985,6 +1126,19 @@ def _dkv_kernel(*refs, st, rebuild):
     def views_of(g, i):
         return _query_tile_views(sources, id_refs, b, query_head(g), pl.ds(i * bq, bq), views)
 
+    def fused_step(wg, n, i, h):
+        if views:
+            kt_of = lambda half, rows: k_smem.at[half, :, rows].T  # noqa: E731
+        else:
+            kt_of = lambda half, rows: kt_smem.at[half, rows]  # noqa: E731
+        cols = pl.ds(i * bq, bq)
+        if cfg.interpret:  # the program's own buffer (no TMA reductions to interpret)
+            dest = lambda r0, m: dq_t_ref.at[b, j, h, pl.ds(r0, m), cols]  # noqa: E731
+        else:
+            dest = lambda r0, m: dq_t_ref.at[b, h, pl.ds(r0, m), cols]  # noqa: E731
+        parity = lax.rem(n, 2)
+        return _FusedDq(st, wg, parity, pair_ds_t, dq_stage, kt_of, dest, pair_bar)
+
     def compute(loop, wg):
         part, bar_of = _own_part(wg)
         key0 = j * cfg.block_k_dkv + (0 if wg is None else wg * _WG_ROWS)
@@ -1001,6 +1155,8 @@ def _dkv_kernel(*refs, st, rebuild):
         def _():
             copies = [(k_ref.at[b, keys, kv_h], tiles[0]), (v_ref.at[b, keys, kv_h], tiles[1])]
             copies += [(op_refs[k].at[b, keys], buf) for k, buf in own]
+            if fused_dq and not views:
+                copies.append((kt_ref.at[b, kv_h, :, keys], part(kt_smem)))
             for n, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[bar_of(n)])
             for n in range(len(copies)):
@@ -1009,17 +1165,20 @@ def _dkv_kernel(*refs, st, rebuild):
         step = list(zip(q_pos, step_ids))
 
         def accumulate(*accs):
-            def member_step(g, i, slot, masked):
+            def member_step(g, i, n, slot, masked):
                 h = query_head(g)
                 scalars = {**batch_scalars, **_scalar_values(st, op_refs, b, h, ("head",))}
+                fused = fused_step(wg, n, i, h) if fused_dq else None
                 _dkv_step(st, rebuild, scalars, h, i, key0, own, step, operands, slot, tiles,
-                          accs, masked)  # fmt: skip
+                          accs, masked, fused)  # fmt: skip
 
             loop(member_step)
             return tuple(acc[...] for acc in accs)
 
         accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
         dk, dv = pl.run_scoped(accumulate, *accs)
+        if fused_dq:  # the other warpgroup's last dQ products have read this one's K
+            _meet(pair_bar, lax.rem(groups * (ranges[3] - ranges[0]), 2))
         # K and V are no longer needed: their buffers stage the outputs.
         _store((dk, tiles[0], dk_ref.at[b, keys, kv_h]), (dv, tiles[1], dv_ref.at[b, keys, kv_h]))
 
@@ -1137,7 +1296,7 @@ def _dq_kernel(*refs, st, rebuild):
         step = list(zip(kv_pos, step_ids))
 
         def accumulate(dq_acc):
-            loop(lambda _, j, slot, masked: _dq_step(
+            loop(lambda _, j, n, slot, masked: _dq_step(
                 st, rebuild, scalars, h, j, row0, own, step, operands, slot, tiles, dq_acc, masked
             ))  # fmt: skip
             return dq_acc[...]
@@ -1167,20 +1326,33 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
     bk = cfg.block_k_dkv
     wgs = bk // _WG_ROWS
+    out_type = (
+        jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.d), dtype),
+        jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
+    )
+    scratch = _dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos)
+    grid, grid_names = (st.kv_pad // bk, kv_heads, batch), ("k", "h", "b")
+    num_threads, thread_name = (3, "wg") if wgs > 1 else (None, None)
+    inputs = (q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
+    dkv_kernel = functools.partial(_dkv_kernel, st=st, rebuild=rebuild)
+    if cfg.fused_dq:
+        # dQ^T in float32, `[batch, heads, d, q]`; interpreted, one per dK/dV program.
+        programs = (st.kv_pad // bk,) if cfg.interpret else ()
+        accumulator = jax.ShapeDtypeStruct((batch, *programs, heads, st.d, st.q_pad), jnp.float32)
+        dk, dv, dq_t = accumulating_kernel(
+            dkv_kernel, out_type=out_type, accumulator=accumulator, scratch_types=scratch,
+            grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
+            interpret=interpret,
+        )(*inputs, *([] if cfg.transposed_views else [t(k)]))  # fmt: skip
+        if cfg.interpret:
+            dq_t = dq_t.sum(axis=1)
+        dq = jnp.transpose(dq_t, (0, 3, 1, 2)).astype(dtype)
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
     dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, st=st, rebuild=rebuild),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.d), dtype),
-            jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
-        ),
-        scratch_types=_dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
-        grid=(st.kv_pad // bk, kv_heads, batch),
-        grid_names=("k", "h", "b"),
-        num_threads=3 if wgs > 1 else None,
-        thread_name="wg" if wgs > 1 else None,
-        compiler_params=COMPILER_PARAMS,
+        dkv_kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+        num_threads=num_threads, thread_name=thread_name, compiler_params=COMPILER_PARAMS,
         interpret=interpret,
-    )(q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
+    )(*inputs)  # fmt: skip
     bq = cfg.block_q_dq
     wgs = bq // _WG_ROWS
     dq = plgpu.kernel(
