@@ -5,6 +5,7 @@ python -m bench.sweep_attention --implementation triton|mosaic --out F
 
 import argparse
 import dataclasses
+import json
 import pathlib
 
 import jax
@@ -175,6 +176,9 @@ def main():
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--softcap", type=float, help="a SoftCap score mod of this cap")
     parser.add_argument("--defaults", action="store_true", help="only the default config")
+    parser.add_argument(
+        "--config", type=json.loads, nargs="*", help="only these JSON field overrides"
+    )
     args = parser.parse_args()
     warm_up_device()
     writer = RowWriter(args.out)
@@ -194,6 +198,8 @@ def _sweep(args, seq, kv_seq, writer):
         configs = _configs(args.implementation, args.dtype == "float32")
         if args.defaults:
             configs = [(part, {}) for part in ("fwd", "bwd")]
+        if args.config is not None:
+            configs = [(part, kwargs) for part in ("fwd", "bwd") for kwargs in args.config]
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
             for part, kwargs in configs:
