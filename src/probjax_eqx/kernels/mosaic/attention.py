@@ -896,9 +896,9 @@ def _dkv_step(
     if fused is None:
         plgpu.wgmma(dk_acc, _a_operand(dst, dtype, dst_smem), q_smem.at[slot])
     else:  # dS^T into SMEM for dQ's products, read from there by dK's too unless in registers
-        staged = fused.stage(dst.astype(dtype))
-        plgpu.wgmma(dk_acc, dst.astype(dtype) if st.config.p_in_registers else staged,
-                    q_smem.at[slot])  # fmt: skip
+        ds_t = dst.astype(dtype)
+        staged = fused.stage(ds_t)
+        plgpu.wgmma(dk_acc, ds_t if st.config.p_in_registers else staged, q_smem.at[slot])
         fused.add_dq()  # while dK's product runs
     plgpu.wgmma_wait(0)  # before P^T / dS^T and this slot are overwritten
 
