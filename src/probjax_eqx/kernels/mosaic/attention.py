@@ -136,8 +136,10 @@ class MosaicAttentionConfig:
             kernel (5 products a step instead of 7). Each step the two compute
             warpgroups stage dS^T in shared memory, split dQ^T = K^T dS^T along the
             head dim and add their shares by TMA reductions into a float32 dQ^T in
-            global memory (in no fixed order: dQ is not bitwise reproducible). Needs
-            `block_k_dkv=128`. Interpreted, each program writes its shares to a
+            global memory (in no fixed order: dQ is not bitwise reproducible). With an
+            odd count of 64-row head-dim blocks (head dim 64, 192) warpgroup 1 also
+            computes one of warpgroup 0's and drops it. Needs `block_k_dkv=128`.
+            Interpreted, each program writes its shares to a
             buffer of its own, summed by XLA: jax 0.10's interpreter has no TMA
             reductions. Not yet timed on the GPU, so `default_config` leaves it off.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
