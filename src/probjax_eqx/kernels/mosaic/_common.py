@@ -14,6 +14,8 @@ from probjax_eqx.kernels.mosaic._compat import (
     ir,  # pyright: ignore[reportPrivateImportUsage]
     llvm,
     mgpu_utils,
+    new_ref,
+    run_state,
 )
 
 _REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_90
@@ -187,7 +189,7 @@ def accumulating_kernel(
     `(*outputs, accumulator)`. The accumulator is a mutable GMEM ref that the kernel call
     aliases, which `plgpu.kernel` does not take: this runs `pl.kernel` on a `plgpu.Mesh`.
     On the GPU with `plgpu.kernel`'s batching (a vmapped axis becomes a leading grid axis),
-    the ref held by `pl.run_state` so that no effect leaves `custom_vmap`; interpreted
+    the ref held by `run_state` so that no effect leaves `custom_vmap`; interpreted
     (whose GMEM refs must say so, which `run_state`'s cannot) without batching.
     """
     mesh = plgpu.Mesh(
@@ -212,7 +214,7 @@ def accumulating_kernel(
     if interpret is not None:
 
         def interpreted(*inputs):
-            acc = jax.new_ref(zeros(accumulator), memory_space=plgpu.GMEM)
+            acc = new_ref(zeros(accumulator), memory_space=plgpu.GMEM)
             outs = launch(inputs, acc)
             return (*outs, acc[...])
 
@@ -225,7 +227,7 @@ def accumulating_kernel(
             for ref, value in zip(out_refs, launch(inputs, acc_ref)):
                 ref[...] = value
 
-        acc, outs = pl.run_state(stateful)((zeros(accumulator), [zeros(t) for t in out_type]))
+        acc, outs = run_state(stateful)((zeros(accumulator), [zeros(t) for t in out_type]))
         return (*outs, acc)
 
     @run.def_vmap

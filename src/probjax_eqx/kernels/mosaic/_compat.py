@@ -4,6 +4,7 @@ jax 0.10 has the interpreter only under `jax._src`; 0.11 exports it. Both keep
 `reset_gpu_interpret_mode_state` private: it must run after a failed interpreted kernel,
 or the next one trips over stale shared-memory state. Code inlined into a kernel through
 `plgpu.inline_mgpu` builds MLIR with jaxlib's private `ir` and dialect modules.
+`accumulating_kernel` holds a mutable ref (`new_ref`, `run_state`).
 """
 
 import jax
@@ -24,9 +25,16 @@ except ImportError:  # pragma: no cover - only matters after an interpreter fail
         pass
 
 
+try:  # public in jax 0.10; private fallbacks in case a later version drops them
+    from jax.experimental.pallas import run_state
+except ImportError:  # pragma: no cover
+    from jax._src.state.discharge import run_state
+
 from jax._src.lib.mlir import ir  # pyright: ignore[reportPrivateImportUsage]
 from jax._src.lib.mlir.dialects import arith, llvm  # pyright: ignore[reportPrivateImportUsage]
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+new_ref = getattr(jax, "new_ref", None) or jax._src.core.new_ref  # pyright: ignore
 
 JAX_011 = jax.__version_info__ >= (0, 11)
 ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] - public, but not in __all__
@@ -46,5 +54,7 @@ __all__ = [
     "ir",
     "llvm",
     "mgpu_utils",
+    "new_ref",
     "reset_gpu_interpret_mode_state",
+    "run_state",
 ]
