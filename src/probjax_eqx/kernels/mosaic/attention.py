@@ -139,9 +139,9 @@ class MosaicAttentionConfig:
             global memory (in no fixed order: dQ is not bitwise reproducible). With an
             odd count of 64-row head-dim blocks (head dim 64, 192) warpgroup 1 also
             computes one of warpgroup 0's and drops it. Needs `block_k_dkv=128`.
-            Interpreted, each program writes its shares to a
-            buffer of its own, summed by XLA: jax 0.10's interpreter has no TMA
-            reductions. Not yet timed on the GPU, so `default_config` leaves it off.
+            Interpreted, each program writes its shares to a buffer of its own, summed
+            by XLA: jax 0.10's interpreter has no TMA reductions. Not yet timed on the
+            GPU, so `default_config` leaves it off.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
