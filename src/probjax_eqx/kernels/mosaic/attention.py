@@ -137,8 +137,8 @@ class MosaicAttentionConfig:
             warpgroups stage dS^T in shared memory, split dQ^T = K^T dS^T along the
             head dim and add their shares by TMA reductions into a float32 dQ^T in
             global memory (in no fixed order: dQ is not bitwise reproducible). With an
-            odd count of 64-row head-dim blocks (head dim 64, 192) warpgroup 1 also
-            computes one of warpgroup 0's and drops it. Needs `block_k_dkv=128`.
+            odd count of 64-row head-dim blocks (head dim 64, 192) the warpgroups take
+            the extra one in turns, a step each. Needs `block_k_dkv=128`.
             Interpreted, each program writes its shares to a buffer of its own, summed
             by XLA: jax 0.10's interpreter has no TMA reductions. Not yet timed on the
             GPU, so `default_config` leaves it off.
@@ -295,7 +295,7 @@ def _fused_dq_scratch(cfg: MosaicAttentionConfig, d, dtype):
     bq = cfg.block_q_dkv
     return [
         swizzled((2, 2, _WG_ROWS, bq), dtype),
-        swizzled((2, _fused_dq_rows(d)[0], bq), jnp.float32),
+        swizzled((2, _fused_dq_rows(d), bq), jnp.float32),
         *([] if cfg.transposed_views else [swizzled((2, d, _WG_ROWS), dtype)]),
         *([plgpu.Barrier(num_arrivals=2, num_barriers=2)] if cfg.interpret else []),
     ]
@@ -909,8 +909,8 @@ def _dkv_step(
 class _FusedDq:
     """One dK/dV step's share of dQ (`fused_dq`), for compute warpgroup `wg` (0 or 1).
 
-    dQ^T[rows] = K^T[rows] dS^T over the program's 128 keys: each warpgroup takes half
-    the head dim's rows (`_fused_dq_rows`), both warpgroups' dS^T (`pair_ds_t.at[parity]`)
+    dQ^T[rows] = K^T[rows] dS^T over the program's 128 keys: each warpgroup takes about
+    half the head dim's rows (`add_dq`), both warpgroups' dS^T (`pair_ds_t.at[parity]`)
     and both halves of K^T (`kt_of(half, rows)`: `[rows, 64 keys]`), and adds its float32
     share to `dest(first row, rows)` by a TMA reduction (interpreted: a plain copy to the
     program's own buffer).
@@ -934,11 +934,20 @@ class _FusedDq:
 
     def add_dq(self):
         _meet(self.pair_bar, self.parity)  # both warpgroups' dS^T are in SMEM
-        bq = self.st.config.block_q_dkv
-        m, overlap = _fused_dq_rows(self.st.d)
-        # Warpgroup 1's rows end at d; with an odd count of 64-row blocks its first
-        # `overlap` rows are warpgroup 0's too, and only warpgroup 0 adds them.
-        r0 = self.wg * (self.st.d - m)
+        d = self.st.d
+        lead = _fused_dq_rows(d)
+        if d == 2 * lead:
+            self._add_rows(self.wg * lead, lead)
+            return
+        # An odd count of 64-row blocks: the extra one goes to the warpgroup whose turn
+        # it is (step parity), so that over two steps both do the same work.
+        leads = self.wg == self.parity
+        pl.when(leads)(lambda: self._add_rows(0, lead))
+        if d > lead:
+            pl.when(jnp.logical_not(leads))(lambda: self._add_rows(lead, d - lead))
+
+    def _add_rows(self, r0, m):
+        """dQ^T's rows r0 .. r0 + m: their products, then their TMA reduction."""
 
         def product(acc):
             for half in range(2):
@@ -947,24 +956,13 @@ class _FusedDq:
             plgpu.wgmma_wait(0)
             return acc[...]
 
-        dq_t = pl.run_scoped(product, ACC((m, bq), jnp.float32))
-        stage = self.dq_stage.at[self.wg]
+        dq_t = pl.run_scoped(product, ACC((m, self.st.config.block_q_dkv), jnp.float32))
+        stage = self.dq_stage.at[self.wg, pl.ds(0, m)]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's is read
         stage[...] = dq_t
         plgpu.commit_smem()
         reduce = None if self.st.config.interpret else "add"
-
-        def add(first, rows):
-            plgpu.copy_smem_to_gmem(
-                stage.at[pl.ds(first, rows)], self.dest(r0 + first, rows), reduction_op=reduce
-            )
-
-        if not overlap:
-            add(0, m)
-        else:
-            pl.when(self.wg == 0)(lambda: add(0, m))
-            if m > overlap:
-                pl.when(self.wg == 1)(lambda: add(overlap, m - overlap))
+        plgpu.copy_smem_to_gmem(stage, self.dest(r0, m), reduction_op=reduce)
 
 
 def _meet(pair_bar, parity):
@@ -976,13 +974,9 @@ def _meet(pair_bar, parity):
         plgpu.barrier_wait(pair_bar.at[parity])
 
 
-def _fused_dq_rows(d: int) -> tuple[int, int]:
-    """Rows of dQ^T's head dim per warpgroup, and how many both warpgroups' shares hold.
-
-    Whole 64-row blocks, half of them rounded up: with an odd count the shares overlap.
-    """
-    m = _WG_ROWS * -(-d // (2 * _WG_ROWS))
-    return m, 2 * m - d
+def _fused_dq_rows(d: int) -> int:
+    """dQ^T's rows that one warpgroup adds at most: half the 64-row blocks, rounded up."""
+    return _WG_ROWS * -(-d // (2 * _WG_ROWS))
 
 
 @dataclasses.dataclass(frozen=True)
