@@ -117,27 +117,40 @@ def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
 
 
 @pytest.mark.parametrize(
-    "batch, qk_dim, num_stages, mask",
+    "qk_dim, num_stages, lengths",
     [
-        # One 64-row block of dQ^T: warpgroup 0 adds it. Two query heads over one KV head
-        # (steps carry on across GQA members); a batch element with no keys, one with a
-        # half-empty second key program.
-        (2, 16, 1, masks.KVLengths(jnp.array([0, 170]))),
+        # One 64-row block of dQ^T, the warpgroups' in turns. Two query heads over one KV
+        # head (steps carry on across GQA members); under jax.vmap, an example with no
+        # keys and one with a half-empty second key program.
+        (16, 1, (0, 170)),
         # Two blocks, one each; masked tiles at both ends of the dK/dV programs' loops.
-        (1, 72, 2, masks.Causal("bottom_right")),
+        (72, 2, None),
     ],
 )
-def test_fused_dq_backward(getkey, batch, qk_dim, num_stages, mask):
+def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths):
     """fused_dq: dQ's products in the dK/dV program, both warpgroups' dS^T through shared
     memory, dQ^T's shares added up outside (interpreted: per-program buffers)."""
+    batch = 1 if lengths is None else len(lengths)
     q, k, v = make_qkv(getkey(), batch=batch, q_len=150, kv_len=200, q_heads=2, kv_heads=1,
                        qk_dim=qk_dim, v_dim=16, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), (batch, 150, 2, 16))
     config = dataclasses.replace(CFG, block_k_dkv=128, fused_dq=True, num_stages=num_stages)
     # The kernels themselves: the staged (interpreted) layout at head dim 128 exceeds the
     # GPU's shared memory, which the interpreter does not have.
-    f = functools.partial(mosaic_attention.flash_attention, mask=mask, score_mod=None,
-                          scale=qk_dim**-0.5, config=config)  # fmt: skip
+    attend = functools.partial(mosaic_attention.flash_attention, score_mod=None,
+                               scale=qk_dim**-0.5, config=config)  # fmt: skip
+    if lengths is None:
+        mask = masks.Causal("bottom_right")
+        f = functools.partial(attend, mask=mask)
+    else:
+        mask = masks.KVLengths(jnp.array(lengths))
+
+        def f(q, k, v):  # one example at a time, as vmap sees it: `[1, seq, heads, dim]`
+            one = lambda q, k, v, n: attend(  # noqa: E731
+                q[None], k[None], v[None], mask=masks.KVLengths(n[None])
+            )[0]
+            return jax.vmap(one)(q, k, v, mask.lengths)
+
     check_against_oracle(f, q, k, v, ct, mask=mask)
 
 

@@ -1,5 +1,6 @@
 """Building blocks shared by our Mosaic GPU kernels."""
 
+import dataclasses
 import math
 
 import jax
@@ -14,7 +15,6 @@ from probjax_eqx.kernels.mosaic._compat import (
     ir,  # pyright: ignore[reportPrivateImportUsage]
     llvm,
     mgpu_utils,
-    new_ref,
     run_state,
 )
 
@@ -186,16 +186,24 @@ def accumulating_kernel(
 
     `body(*inputs, accumulator_ref, *outputs, *scratch)`; programs add their shares with
     `plgpu.copy_smem_to_gmem(..., reduction_op="add")` (TMA reductions in the L2). Returns
-    `(*outputs, accumulator)`. The accumulator is a mutable GMEM ref that the kernel call
-    aliases, which `plgpu.kernel` does not take: this runs `pl.kernel` on a `plgpu.Mesh`.
-    On the GPU with `plgpu.kernel`'s batching (a vmapped axis becomes a leading grid axis),
-    the ref held by `run_state` so that no effect leaves `custom_vmap`; interpreted
-    (whose GMEM refs must say so, which `run_state`'s cannot) without batching.
+    `(*outputs, accumulator)`. On the GPU the accumulator is a mutable ref that the kernel
+    call aliases, which `plgpu.kernel` does not take: `pl.kernel` on a `plgpu.Mesh`, the
+    ref held by `run_state` (so that no effect leaves `custom_vmap`), batched as
+    `plgpu.kernel` batches (a vmapped axis becomes a leading grid axis). Interpreted, a
+    `plgpu.kernel` output that the interpreter starts at zero.
     """
+    out_type = tuple(out_type)
+    if interpret is not None:  # outputs start at zero: the accumulator is the first
+        acc_first = plgpu.kernel(
+            body, out_type=(accumulator, *out_type), scratch_types=scratch_types, grid=grid,
+            grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
+            compiler_params=COMPILER_PARAMS,
+            interpret=dataclasses.replace(interpret, uninitialized_memory="zero"),
+        )  # fmt: skip
+        return lambda *inputs: (*(outs := acc_first(*inputs))[1:], outs[0])
     mesh = plgpu.Mesh(
         grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name
     )
-    out_type = tuple(out_type)
 
     def kernel_body(*refs):
         pl.run_scoped(
@@ -205,20 +213,12 @@ def accumulating_kernel(
         )
 
     def launch(inputs, acc_ref):
-        return pl.kernel(
-            kernel_body, out_type=out_type, mesh=mesh, compiler_params=COMPILER_PARAMS,
-            interpret=interpret,
-        )(*inputs, acc_ref)  # fmt: skip  # pyright: ignore[reportCallIssue]
+        kernel = pl.kernel(
+            kernel_body, out_type=out_type, mesh=mesh, compiler_params=COMPILER_PARAMS
+        )
+        return kernel(*inputs, acc_ref)  # pyright: ignore[reportCallIssue]
 
     zeros = lambda t: jnp.zeros(t.shape, t.dtype)  # noqa: E731
-    if interpret is not None:
-
-        def interpreted(*inputs):
-            acc = new_ref(zeros(accumulator), memory_space=plgpu.GMEM)
-            outs = launch(inputs, acc)
-            return (*outs, acc[...])
-
-        return jax.jit(interpreted)  # a ref with a memory space lives only under jit
 
     @custom_batching.custom_vmap
     def run(*inputs):

@@ -4,7 +4,7 @@ jax 0.10 has the interpreter only under `jax._src`; 0.11 exports it. Both keep
 `reset_gpu_interpret_mode_state` private: it must run after a failed interpreted kernel,
 or the next one trips over stale shared-memory state. Code inlined into a kernel through
 `plgpu.inline_mgpu` builds MLIR with jaxlib's private `ir` and dialect modules.
-`accumulating_kernel` holds a mutable ref (`new_ref`, `run_state`).
+`accumulating_kernel` holds a mutable ref in `run_state`.
 """
 
 import jax
@@ -34,8 +34,6 @@ from jax._src.lib.mlir import ir  # pyright: ignore[reportPrivateImportUsage]
 from jax._src.lib.mlir.dialects import arith, llvm  # pyright: ignore[reportPrivateImportUsage]
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-new_ref = getattr(jax, "new_ref", None) or jax._src.core.new_ref  # pyright: ignore
-
 JAX_011 = jax.__version_info__ >= (0, 11)
 ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage] - public, but not in __all__
 # The default lowering semantics changed between versions: always name it. Our reductions
@@ -54,7 +52,6 @@ __all__ = [
     "ir",
     "llvm",
     "mgpu_utils",
-    "new_ref",
     "reset_gpu_interpret_mode_state",
     "run_state",
 ]
