@@ -196,10 +196,9 @@ def _sweep(args, seq, kv_seq, writer):
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         mod = None if args.softcap is None else biases.SoftCap(args.softcap)
         configs = _configs(args.implementation, args.dtype == "float32")
-        if args.defaults:
-            configs = [(part, {}) for part in ("fwd", "bwd")]
-        if args.config is not None:
-            configs = [(part, kwargs) for part in ("fwd", "bwd") for kwargs in args.config]
+        only = [{}] if args.defaults else args.config  # --defaults: `--config '{}'`
+        if only is not None:
+            configs = [(part, kwargs) for part in ("fwd", "bwd") for kwargs in only]
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
             for part, kwargs in configs:
