@@ -281,8 +281,11 @@ def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedu
 @pytest.mark.parametrize("num_stages", [1, 2])
 def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
     """`fused_dq` under jax.vmap (the accumulator's batching: a leading grid axis), GQA
-    with 4 query heads a KV head, each against the unbatched calls; one TMA stage too
-    (the CPU interpreter hung on it at head dim 128)."""
+    with 4 query heads a KV head, each against the unbatched calls; one TMA stage too.
+    On 2 CPU cores the interpreter stalls on that case at head dim 128: warpgroup 1 waits
+    in the pair's meet, the TMA warpgroup on `free`, both for warpgroup 0, which is in
+    no barrier or callback. Their two blocked callbacks hold as many threads as XLA's CPU
+    pool has (the likely cause: starvation, not the kernel's protocol)."""
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 
     config = MosaicAttentionConfig(block_k_dkv=128, block_q_dq=128, num_stages=num_stages,
