@@ -6,10 +6,11 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 19 (FA3's backward: dQ inside the dK/dV kernel), 17
-# (run 47's unfinished segment-id tests, the kernels' counters, the 16k forward), 14 (the new default beside tokamax and cuDNN), 18 (the
-# shared expert through `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut before
-# pytest's summary, with no failure logged), 13, then 12's parts that runs 44-47 did not
-# reach (the causal backward sweep, SoftCap causal), 11, 15.
+# (run 47's unfinished segment-id tests, the kernels' counters, the 16k forward), 14
+# (the new default beside tokamax and cuDNN), 18 (the shared expert through `swiglu`), 1
+# (the whole GPU suite: runs 43-47 were each cut before pytest's summary, with no failure
+# logged), 13, then 12's parts that runs 44-47 did not reach (the causal backward sweep,
+# SoftCap causal), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings

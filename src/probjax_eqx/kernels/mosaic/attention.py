@@ -1010,9 +1010,8 @@ def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
     sharing a KV head) and tile i, the program's step n, with their operands
     (`views_of(g, i)`) in ring slot `slot`. Without `ring.free` one warpgroup (wg None)
     prefetches the next step's operands before computing the current one; with it,
-    warpgroups 0 and 1 compute
-    (wg 0, 1) while warpgroup 2 streams the operands through the ring (`tma_ring`),
-    with FA3's register split.
+    warpgroups 0 and 1 compute while warpgroup 2 streams the operands through the ring
+    (`tma_ring`), with FA3's register split.
     """
     lo, stages = ranges[0], ring.stages
     count = ranges[3] - lo
@@ -1083,8 +1082,8 @@ def _dkv_kernel(*refs, st, rebuild):
     rest = refs[12 + n_ops :]
     kt_ref: Any = None
     dq_t_ref: Any = None
-    if fused_dq:  # (without views the wrapper's K^T), dQ^T's float32 accumulator
-        (kt_ref, dq_t_ref, *rest) = rest if not views else (None, *rest)
+    if fused_dq:  # K^T's source (`_transposed_source`), dQ^T's float32 accumulator
+        kt_ref, dq_t_ref, *rest = rest
     dk_ref, dv_ref, *rest = rest
     if views:  # Q^T and dO^T are views of Q's and dO's tiles
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, bars, *rest = rest
@@ -1339,29 +1338,29 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
             dkv_kernel, out_type=out_type, accumulator=accumulator, scratch_types=scratch,
             grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
             interpret=interpret,
-        )(*inputs, *([] if cfg.transposed_views else [t(k)]))  # fmt: skip
+        )(*inputs, t(k))  # fmt: skip
         if cfg.interpret:
             dq_t = dq_t.sum(axis=1)
         dq = jnp.transpose(dq_t, (0, 3, 1, 2)).astype(dtype)
-        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-    dk, dv = plgpu.kernel(
-        dkv_kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-        num_threads=num_threads, thread_name=thread_name, compiler_params=COMPILER_PARAMS,
-        interpret=interpret,
-    )(*inputs)  # fmt: skip
-    bq = cfg.block_q_dq
-    wgs = bq // _WG_ROWS
-    dq = plgpu.kernel(
-        functools.partial(_dq_kernel, st=st, rebuild=rebuild),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=_dq_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
-        grid=(st.q_pad // bq, heads, batch),
-        grid_names=("q", "h", "b"),
-        num_threads=3 if wgs > 1 else None,
-        thread_name="wg" if wgs > 1 else None,
-        compiler_params=COMPILER_PARAMS,
-        interpret=interpret,
-    )(q, do, lse, delta, t(k), k, t(v), *dq_ranges, *operands)
+    else:
+        dk, dv = plgpu.kernel(
+            dkv_kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+            grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
+            compiler_params=COMPILER_PARAMS, interpret=interpret,
+        )(*inputs)  # fmt: skip
+        bq = cfg.block_q_dq
+        wgs = bq // _WG_ROWS
+        dq = plgpu.kernel(
+            functools.partial(_dq_kernel, st=st, rebuild=rebuild),
+            out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+            scratch_types=_dq_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
+            grid=(st.q_pad // bq, heads, batch),
+            grid_names=("q", "h", "b"),
+            num_threads=3 if wgs > 1 else None,
+            thread_name="wg" if wgs > 1 else None,
+            compiler_params=COMPILER_PARAMS,
+            interpret=interpret,
+        )(q, do, lse, delta, t(k), k, t(v), *dq_ranges, *operands)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
