@@ -5,12 +5,12 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 19 (FA3's backward: dQ inside the dK/dV kernel), 17
-# (run 47's unfinished segment-id tests, the kernels' counters, the 16k forward), 14
-# (the new default beside tokamax and cuDNN), 18 (the shared expert through `swiglu`), 1
-# (the whole GPU suite: runs 43-47 were each cut before pytest's summary, with no failure
-# logged), 13, then 12's parts that runs 44-47 did not reach (the causal backward sweep,
-# SoftCap causal), 11, 15.
+# Not yet run, in order of need: 19 (FA3's backward: dQ inside the dK/dV kernel), 20
+# (the compiler's approximate exp2), 17 (run 47's unfinished segment-id tests, the
+# kernels' counters, the 16k forward), 14 (the new default beside tokamax and cuDNN), 18
+# (the shared expert through `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut
+# before pytest's summary, with no failure logged), 13, then 12's parts that runs 44-47
+# did not reach (the causal backward sweep, SoftCap causal), 11, 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -34,7 +34,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 19}" in
+case "${1:?stage 1 to 20}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -236,10 +236,17 @@ case "${1:?stage 1 to 19}" in
     # (the CPU ran it interpreted and lowered it), then its backward beside the default's
     # (run 45: fwd+bwd 2.401 ms at T 4096 hd 128 non-causal; tokamax Mosaic 2.089, torch
     # SDPA cuDNN 1.836).
-    WORKERS=4 gpu_tests 200 -k "fused_dq or fa3_backward or (schedules and fa3 and not fa3_)"
+    WORKERS=4 gpu_tests 200 -k "fused_dq or fa3_backward or approx or (schedules and fa3 and not fa3_)"
     step 360 sweep_fused_dq python3 -m bench.sweep_attention \
       --out "$out/sweep_fused_dq.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 0 1 --part bwd --config '{}' '{"fused_dq": true}'
+    ;;
+  20)
+    # The compiler's approximate exp2 (`approx_math`, as tokamax compiles; its exactness
+    # is stage 19's `approx` GPU tests): forward and backward, beside the default.
+    step 560 sweep_approx_math python3 -m bench.sweep_attention \
+      --out "$out/sweep_approx_math.json" --implementation mosaic --seq 4096 16384 \
+      --head-dim 128 --causal 0 1 --config '{}' '{"approx_math": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -253,6 +253,8 @@ MOSAIC_SCHEDULES = {
         pingpong=True, overlap_softmax=True, memory_registers=24, fused_dq=True, **GPU_OPERANDS
     ),  # fmt: skip
 }
+# The whole of FA3 with the compiler's approximate exp2 and tanh, as tokamax compiles.
+MOSAIC_SCHEDULES["fa3_approx_math"] = dict(MOSAIC_SCHEDULES["fa3"], approx_math=True)
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)
@@ -304,7 +306,7 @@ def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
     check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
 
 
-@pytest.mark.parametrize("schedule", ["default", "fa3_operands"])
+@pytest.mark.parametrize("schedule", ["default", "fa3_operands", "fa3_approx_math"])
 def test_mosaic_softcap_on_gpu(getkey, schedule):
     """SoftCap inside the Mosaic kernels (tanh and its derivative), beside a causal mask."""
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
@@ -313,7 +315,8 @@ def test_mosaic_softcap_on_gpu(getkey, schedule):
                        qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
     mask, mod = masks.Causal(), biases.SoftCap(5.0)
-    config = MosaicAttentionConfig(**MOSAIC_SCHEDULES.get(schedule, {}))
+    tuned = MOSAIC_SCHEDULES.get(schedule, {})
+    config = MosaicAttentionConfig(**tuned, block_k_dkv=128 if tuned.get("fused_dq") else 64)
     f = lambda q, k, v: flex_attention(  # noqa: E731
         q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=config
     )

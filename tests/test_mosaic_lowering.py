@@ -84,6 +84,21 @@ def test_softcap_lowers(tuned):
     assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
 
 
+@pytest.mark.parametrize("approx_math", [False, True])
+def test_approx_math_reaches_every_kernel(approx_math):
+    """`approx_math` compiles exp2 and SoftCap's tanh to the approximate instructions in
+    the forward, dK/dV and dQ kernels (three each); without it, to none."""
+    q = k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    config = mosaic_attention.MosaicAttentionConfig(approx_math=approx_math)
+    f = functools.partial(
+        mosaic_attention.flash_attention, mask=masks.Causal(), score_mod=biases.SoftCap(30.0),
+        scale=0.125, config=config,
+    )  # fmt: skip
+    lowered = lower_value_and_grads(f, (0, 1, 2), q, k, v)
+    expected = 3 if approx_math else 0
+    assert lowered.count("ex2.approx") == lowered.count("tanh.approx") == expected
+
+
 @pytest.mark.parametrize("block_m", [64, 128])  # 128: two compute warpgroups and a TMA one
 def test_grouped_matmul_kernels_lower(block_m):
     config = mosaic_gmm.MosaicGroupedMatmulConfig(block_m=block_m)

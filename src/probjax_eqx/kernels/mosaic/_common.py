@@ -180,6 +180,7 @@ def accumulating_kernel(
     grid_names,
     num_threads=None,
     thread_name=None,
+    compiler_params=COMPILER_PARAMS,
     interpret=None,
 ):
     """`plgpu.kernel` with a zero-initialised GMEM `accumulator` that programs add into.
@@ -197,7 +198,7 @@ def accumulating_kernel(
         acc_first = plgpu.kernel(
             body, out_type=(accumulator, *out_type), scratch_types=scratch_types, grid=grid,
             grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
-            compiler_params=COMPILER_PARAMS,
+            compiler_params=compiler_params,
             interpret=dataclasses.replace(interpret, uninitialized_memory="zero"),
         )  # fmt: skip
         return lambda *inputs: (*(outs := acc_first(*inputs))[1:], outs[0])
@@ -214,7 +215,7 @@ def accumulating_kernel(
 
     def launch(inputs, acc_ref):
         kernel = pl.kernel(
-            kernel_body, out_type=out_type, mesh=mesh, compiler_params=COMPILER_PARAMS
+            kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params
         )
         return kernel(*inputs, acc_ref)  # pyright: ignore[reportCallIssue]
 

@@ -32,9 +32,10 @@ operands (the program's own ids once, the looped axis' ids per step). Score mods
 (and compositions of it) in the kernel, d(score)/d(q.k) from its JVP scaling dS; others
 (with parameters, tables or arbitrary functions) are refused with that reason.
 
-Exponentials use `exp2` on float32 scores without `approx_math`: the approximate `ex2`
-would put its error on rows with a single valid key (p = 1 exactly there), whose dQ/dK
-must still meet the bf16 gradient tolerance.
+Exponentials use `exp2` on float32 scores, by default without `approx_math`: the
+approximate `ex2` would put its error on rows with a single valid key (p = 1 exactly
+there), whose dQ/dK must still meet the bf16 gradient tolerance. The config's
+`approx_math` opts in, for the GPU tests and timings to decide.
 """
 
 import dataclasses
@@ -142,6 +143,9 @@ class MosaicAttentionConfig:
             Interpreted, each program writes its shares to a buffer of its own, summed
             by XLA: jax 0.10's interpreter has no TMA reductions. Not yet timed on the
             GPU, so `default_config` leaves it off.
+        approx_math: the compiler's approximate `exp2` and `tanh` (`approx_math` of
+            `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
+            its kernels. Off by default (module docstring); not yet timed on the GPU.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -159,6 +163,7 @@ class MosaicAttentionConfig:
     p_in_registers: bool = False
     transposed_views: bool = False
     fused_dq: bool = False
+    approx_math: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -352,6 +357,10 @@ def _smem_need(call: AttentionCall, cfg: MosaicAttentionConfig) -> dict[str, int
     """`smem_bytes` of `call` under `cfg`: its padded head dims and segment-id tiles."""
     segments = _segment_terms(call)
     return smem_bytes(cfg, *_dims(call), segments, segments)
+
+
+def _compiler_params(cfg: MosaicAttentionConfig):
+    return dataclasses.replace(COMPILER_PARAMS, approx_math=cfg.approx_math)
 
 
 def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
@@ -841,7 +850,7 @@ def _forward(st: _Static, rebuild, q, k, v, ranges, operands):
         grid_names=("q", "h", "b"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=COMPILER_PARAMS,
+        compiler_params=_compiler_params(cfg),
         interpret=InterpretGPUParams() if cfg.interpret else None,
     )(q, _transposed_source(k, cfg), v, *ranges, *operands)
 
@@ -1337,7 +1346,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         dk, dv, dq_t = accumulating_kernel(
             dkv_kernel, out_type=out_type, accumulator=accumulator, scratch_types=scratch,
             grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
-            interpret=interpret,
+            compiler_params=_compiler_params(cfg), interpret=interpret,
         )(*inputs, t(k))  # fmt: skip
         if cfg.interpret:
             dq_t = dq_t.sum(axis=1)
@@ -1346,7 +1355,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         dk, dv = plgpu.kernel(
             dkv_kernel, out_type=out_type, scratch_types=scratch, grid=grid,
             grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
-            compiler_params=COMPILER_PARAMS, interpret=interpret,
+            compiler_params=_compiler_params(cfg), interpret=interpret,
         )(*inputs)  # fmt: skip
         bq = cfg.block_q_dq
         wgs = bq // _WG_ROWS
@@ -1358,7 +1367,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
             grid_names=("q", "h", "b"),
             num_threads=3 if wgs > 1 else None,
             thread_name="wg" if wgs > 1 else None,
-            compiler_params=COMPILER_PARAMS,
+            compiler_params=_compiler_params(cfg),
             interpret=interpret,
         )(q, do, lse, delta, t(k), k, t(v), *dq_ranges, *operands)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
