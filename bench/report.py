@@ -125,10 +125,10 @@ def _fmt(value, digits=3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def gpu_test_counts(folder: pathlib.Path) -> list[str]:
-    """One line per saved GPU test log: its pytest summary line."""
+def gpu_test_counts(folder: pathlib.Path, name: str) -> list[str]:
+    """One line per saved GPU test log of `name`'s GPU (`<name>_gpu_tests*.txt`)."""
     lines = []
-    for path in sorted(folder.glob("*gpu_tests*.txt")):
+    for path in sorted(folder.glob(f"{name}_gpu_tests*.txt")):
         found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", path.read_text(), re.M)
         lines.append(f"- `{path.name}`: {found[-1] if found else 'no summary (run cut short)'}")
     return lines
@@ -153,7 +153,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         "",
     ]
     if logs is not None:
-        lines += ["## GPU tests", "", *gpu_test_counts(logs), ""]
+        lines += ["## GPU tests", "", *gpu_test_counts(logs, name), ""]
     gaps, plots = [], collections.defaultdict(list)
     by_suite = collections.defaultdict(list)
     for case in cases:

@@ -105,3 +105,12 @@ def test_merge_appends_validated_rows_with_their_run(tmp_path):
     new.write_text(json.dumps({"rows": [{**_row("probjax auto", 0.9), "status": "fine"}]}))
     with pytest.raises(ValueError, match="status"):
         merge([new], 3, into, suite_rows=True)
+
+
+def test_merged_suite_rows_go_to_their_gpus_file():
+    from bench.merge import results_for
+
+    assert results_for("NVIDIA H100 80GB HBM3").name == "h100.json"
+    assert results_for("NVIDIA H200").name == "h200.json"
+    with pytest.raises(ValueError, match="--into"):
+        results_for("cpu")
