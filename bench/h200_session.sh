@@ -5,12 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 19 (FA3's backward: dQ inside the dK/dV kernel), 20
-# (the compiler's approximate exp2), 17 (run 47's unfinished segment-id tests, the
-# kernels' counters, the 16k forward), 14 (the new default beside tokamax and cuDNN), 18
-# (the shared expert through `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut
-# before pytest's summary, with no failure logged), 13, then 12's parts that runs 44-47
-# did not reach (the causal backward sweep, SoftCap causal), 11, 15.
+# Not yet run, in order of need: 21 (each head's programs side by side, SoftCap's
+# approximate tanh), 18 (the shared expert through `swiglu`), 1 (the whole GPU suite:
+# runs 43-47 were each cut before pytest's summary, with no failure logged), 13, then
+# 12's parts that runs 44-47 did not reach (the causal backward sweep, SoftCap causal),
+# 11, 15. Runs 48-52 (H100) ran 19, 20, 14 and 17 (its 16k forward sweep cut).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -34,7 +33,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 20}" in
+case "${1:?stage 1 to 21}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -247,6 +246,17 @@ case "${1:?stage 1 to 20}" in
     step 560 sweep_approx_math python3 -m bench.sweep_attention \
       --out "$out/sweep_approx_math.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 --causal 0 1 --config '{}' '{"approx_math": true}'
+    ;;
+  21)
+    # Each (batch, head)'s programs side by side (`tiles_fastest`; ncu in run 51: the
+    # forward read ~4.5x its operands' bytes from DRAM at T 4096, and `fused_dq` lost at
+    # T 16384 hd 128), then SoftCap with the approximate tanh (cut in run 48). `{}` is
+    # the default since runs 48-49: `fused_dq` up to 512 MiB of reductions a head.
+    WORKERS=4 gpu_tests 150 -k "tiles_fastest or (softcap and approx)"
+    step 400 sweep_tiles_fastest python3 -m bench.sweep_attention \
+      --out "$out/sweep_tiles_fastest.json" --implementation mosaic --seq 4096 16384 \
+      --head-dim 128 64 --causal 0 1 --config '{}' '{"tiles_fastest": true}' \
+      '{"tiles_fastest": true, "fused_dq": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

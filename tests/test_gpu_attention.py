@@ -255,6 +255,8 @@ MOSAIC_SCHEDULES = {
 }
 # The whole of FA3 with the compiler's approximate exp2 and tanh, as tokamax compiles.
 MOSAIC_SCHEDULES["fa3_approx_math"] = dict(MOSAIC_SCHEDULES["fa3"], approx_math=True)
+# Each (batch, head)'s programs side by side: the tile axis launched fastest.
+MOSAIC_SCHEDULES["fa3_tiles_fastest"] = dict(MOSAIC_SCHEDULES["fa3"], tiles_fastest=True)
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)

@@ -154,6 +154,18 @@ def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths):
     check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
+@pytest.mark.parametrize("fused_dq", [False, True])
+def test_tiles_fastest_launch_order(getkey, fused_dq):
+    """tiles_fastest: every kernel's grid as (batch, head, tile), over two batch elements
+    and two heads, so that the programs' indices come from their axes' names alone."""
+    q, k, v = make_qkv(getkey(), batch=2, q_len=70, kv_len=130, q_heads=2, kv_heads=2,
+                       qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    blocks = dict(block_k_dkv=128) if fused_dq else {}
+    config = dataclasses.replace(CFG, tiles_fastest=True, fused_dq=fused_dq, **blocks)
+    check(q, k, v, ct, masks.Causal("bottom_right"), config)
+
+
 @pytest.mark.skipif(not JAX_011, reason="jax 0.10's interpreter cannot read transposed views")
 def test_transposed_views(getkey):
     """transposed_views: K^T, Q^T, dO^T, V^T as views of the tiles TMA brought in."""
@@ -277,8 +289,21 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     segments = lambda device: default_config(call(masks.Segments(ids)), device)  # noqa: E731
     assert tiles(segments(cpu)) == (128, 64, 128)
     assert tiles(segments(sm90)) == (128, 128, 128)
-    # Segment ids keep the plain forward schedule (their GPU test with FA3's was cut).
-    assert fa3_forward(segments(sm90)) == (False, False, None)
+    # Segment ids take FA3's forward and backward too (their GPU tests passed in run 51).
+    assert fa3_forward(segments(sm90)) == (True, True, 24) and segments(sm90).fused_dq
+    # FA3's backward up to 512 MiB of dQ reductions a head (H100 run 48: slower at
+    # T 16384, hd 128), and the approximate exp2 unless a score mod brings its tanh.
+    assert dense.fused_dq and dense.approx_math
+    assert not (interpreted.fused_dq or interpreted.approx_math)
+
+    def long(head_dim, score_mod=None):
+        shape = (1, 16384, 8, head_dim)
+        dtype = jnp.dtype(jnp.bfloat16)
+        return default_config(AttentionCall.from_args(shape, shape, shape, dtype, None,
+                                                      score_mod), sm90)  # fmt: skip
+
+    assert long(64).fused_dq and not long(128).fused_dq
+    assert not long(64, biases.SoftCap(30.0)).approx_math
     q, k, v = make_qkv(getkey(), batch=2, q_len=64, kv_len=64, qk_dim=128, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
     with pytest.raises(UnsupportedError, match="shared memory"):

@@ -56,6 +56,9 @@ CASES = {
         # dQ in the dK/dV kernel: TMA reductions, named barriers, K^T from views.
         dict(fused_dq=True, block_k_dkv=128),
         dict(fused_dq=True, block_k_dkv=128, **FA3_GPU),
+        # Every kernel's programs launched tile axis fastest.
+        dict(tiles_fastest=True, fused_dq=True, block_k_dkv=128, approx_math=True, **FA3_GPU),
+        dict(tiles_fastest=True, block_k_dkv=128),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):

@@ -32,10 +32,9 @@ operands (the program's own ids once, the looped axis' ids per step). Score mods
 (and compositions of it) in the kernel, d(score)/d(q.k) from its JVP scaling dS; others
 (with parameters, tables or arbitrary functions) are refused with that reason.
 
-Exponentials use `exp2` on float32 scores, by default without `approx_math`: the
-approximate `ex2` would put its error on rows with a single valid key (p = 1 exactly
-there), whose dQ/dK must still meet the bf16 gradient tolerance. The config's
-`approx_math` opts in, for the GPU tests and timings to decide.
+Exponentials use `exp2` on float32 scores; on the GPU by default the approximate `ex2`
+(`approx_math`), which met the bf16 tolerances in the GPU tests of run 48 (causal rows
+with one valid key, KV lengths, segment ids).
 """
 
 import dataclasses
@@ -141,11 +140,17 @@ class MosaicAttentionConfig:
             odd count of 64-row head-dim blocks (head dim 64, 192) the warpgroups take
             the extra one in turns, a step each. Needs `block_k_dkv=128`.
             Interpreted, each program writes its shares to a buffer of its own, summed
-            by XLA: jax 0.10's interpreter has no TMA reductions. Not yet timed on the
-            GPU, so `default_config` leaves it off.
+            by XLA: jax 0.10's interpreter has no TMA reductions. `default_config` turns
+            it on for the GPU up to `_FUSED_DQ_MAX_BYTES` of reductions a head.
+        tiles_fastest: launch each kernel's programs with the tile axis varying fastest
+            (Mosaic GPU launches a grid's last axis fastest): the programs of one batch
+            element and head run side by side, as in FA3 and tokamax, sharing its K / V
+            (forward, dQ) or Q / dO and, with `fused_dq`, dQ^T (dK/dV) in the L2. Off, the
+            batch axis varies fastest and a wave spreads over every head. Not yet timed.
         approx_math: the compiler's approximate `exp2` and `tanh` (`approx_math` of
             `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
-            its kernels. Off by default (module docstring); not yet timed on the GPU.
+            its kernels. `default_config` turns it on for the GPU without score mods
+            (H100 run 49: 2.39 -> 2.30 ms fwd+bwd at B4 H8 T4096 hd128).
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -163,6 +168,7 @@ class MosaicAttentionConfig:
     p_in_registers: bool = False
     transposed_views: bool = False
     fused_dq: bool = False
+    tiles_fastest: bool = False
     approx_math: bool = False
     interpret: bool = False
 
@@ -359,8 +365,28 @@ def _smem_need(call: AttentionCall, cfg: MosaicAttentionConfig) -> dict[str, int
     return smem_bytes(cfg, *_dims(call), segments, segments)
 
 
+def _grid(
+    cfg: MosaicAttentionConfig, tiles: int, heads: int, batch: int, tile_axis: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """A kernel's grid and axis names (`tiles_fastest`: Mosaic launches the last fastest)."""
+    if cfg.tiles_fastest:
+        return (batch, heads, tiles), ("b", "h", tile_axis)
+    return (tiles, heads, batch), (tile_axis, "h", "b")
+
+
 def _compiler_params(cfg: MosaicAttentionConfig):
     return dataclasses.replace(COMPILER_PARAMS, approx_math=cfg.approx_math)
+
+
+# `fused_dq` by default up to this many bytes of dQ^T reductions per head (each 128-key
+# program adds a float32 [q_len, head dim]): H100 run 48, B4 H8 hd 128 non-causal, was
+# faster at T 4096 (128 MiB) and slower at T 16384 (1 GiB); hd 64 faster at T 16384
+# (512 MiB).
+_FUSED_DQ_MAX_BYTES = 512 * 2**20
+
+
+def _fused_dq_bytes(call: AttentionCall) -> int:
+    return call.q_len * -(-call.kv_len // (2 * _WG_ROWS)) * call.qk_dim * 4
 
 
 def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
@@ -370,32 +396,41 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     rows a program).
 
     On the GPU FA3's register operands and transposed views (`p_in_registers`,
-    `transposed_views`), which the interpreter of the CPU tests cannot run, and FA3's
+    `transposed_views`), which the interpreter of the CPU tests cannot run; FA3's
     forward schedule: ping-pong turns around the intra-warpgroup overlap, 24 registers
-    for the TMA warpgroup. Calls with segment ids keep the plain forward schedule: their
-    GPU test with it was cut unfinished in run 47.
+    for the TMA warpgroup; FA3's backward (`fused_dq`) up to `_FUSED_DQ_MAX_BYTES` of
+    dQ reductions a head; the compiler's approximate exp2 (`approx_math`) unless a score
+    mod brings its tanh (SoftCap's GPU test with it was cut unfinished in run 48).
 
     H200 run 44 (B4 H8 T4096 hd128 bf16, non-causal, fwd+bwd): 2.97 ms with 128/128 for
     dK/dV/dQ, 3.35 with 128/64, 3.34 with 64/128 and 3.77 with 64/64; 2.47 with 128/128
     and both GPU-only options. Run 47 (the same shape, forward): 0.571 ms with those,
     0.530 with FA3's forward schedule (0.536 with the overlap alone, 0.565 with
-    ping-pong alone).
+    ping-pong alone). H100 run 48 (fwd+bwd, hd 128 / 64): `fused_dq` 2.40 -> 2.20 ms /
+    1.57 -> 1.33 at T 4096, 37.5 -> 43.6 / 23.7 -> 20.0 at T 16384 (causal: 1.29 ->
+    1.25 / 0.86 -> 0.72, 18.0 -> 16.6 / 12.2 -> 9.9). Run 49 (hd 128): `approx_math`
+    0.514 -> 0.487 ms forward and 2.39 -> 2.30 fwd+bwd at T 4096, 7.88 -> 7.60 and
+    37.6 -> 35.4 at T 16384.
     """
     gpu = device.is_gpu
-    fa3_forward = gpu and not _segment_terms(call)
     cfg = MosaicAttentionConfig(
         block_k_dkv=128,
         block_q_dq=128,
         p_in_registers=gpu,
         transposed_views=gpu,
-        pingpong=fa3_forward,
-        overlap_softmax=fa3_forward,
-        memory_registers=24 if fa3_forward else None,
+        pingpong=gpu,
+        overlap_softmax=gpu,
+        memory_registers=24 if gpu else None,
+        approx_math=gpu and call.score_mod is None,
         interpret=not gpu,
     )
     for kernel, field in (("forward", "block_k"), ("dkv", "block_k_dkv"), ("dq", "block_q_dq")):
         if _smem_need(call, cfg)[kernel] > SMEM_LIMIT:
             cfg = dataclasses.replace(cfg, **{field: _WG_ROWS})
+    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= _FUSED_DQ_MAX_BYTES:
+        fused = dataclasses.replace(cfg, fused_dq=True)
+        if _smem_need(call, fused)["dkv"] <= SMEM_LIMIT:
+            cfg = fused
     return cfg
 
 
@@ -839,6 +874,7 @@ def _forward(st: _Static, rebuild, q, k, v, ranges, operands):
     batch, _, heads, _ = q.shape
     dtype = q.dtype
     n_q_pos, n_kv_pos = len(_positional(st, "q_pos")), len(_positional(st, "kv_pos"))
+    grid, grid_names = _grid(cfg, st.q_pad // (2 * cfg.block_q), heads, batch, "q")
     return plgpu.kernel(
         functools.partial(_fwd_kernel, st=st, rebuild=rebuild),
         out_type=(
@@ -846,8 +882,8 @@ def _forward(st: _Static, rebuild, q, k, v, ranges, operands):
             jax.ShapeDtypeStruct((batch, heads, st.q_pad), jnp.float32),
         ),
         scratch_types=_forward_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
-        grid=(st.q_pad // (2 * cfg.block_q), heads, batch),
-        grid_names=("q", "h", "b"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=_compiler_params(cfg),
@@ -1335,7 +1371,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
     )
     scratch = _dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos)
-    grid, grid_names = (st.kv_pad // bk, kv_heads, batch), ("k", "h", "b")
+    grid, grid_names = _grid(cfg, st.kv_pad // bk, kv_heads, batch, "k")
     num_threads, thread_name = (3, "wg") if wgs > 1 else (None, None)
     inputs = (q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
     dkv_kernel = functools.partial(_dkv_kernel, st=st, rebuild=rebuild)
@@ -1359,12 +1395,13 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         )(*inputs)  # fmt: skip
         bq = cfg.block_q_dq
         wgs = bq // _WG_ROWS
+        grid, grid_names = _grid(cfg, st.q_pad // bq, heads, batch, "q")
         dq = plgpu.kernel(
             functools.partial(_dq_kernel, st=st, rebuild=rebuild),
             out_type=jax.ShapeDtypeStruct(q.shape, dtype),
             scratch_types=_dq_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos),
-            grid=(st.q_pad // bq, heads, batch),
-            grid_names=("q", "h", "b"),
+            grid=grid,
+            grid_names=grid_names,
             num_threads=3 if wgs > 1 else None,
             thread_name="wg" if wgs > 1 else None,
             compiler_params=_compiler_params(cfg),
