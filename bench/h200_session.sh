@@ -6,10 +6,11 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 21 (each head's programs side by side, SoftCap's
-# approximate tanh), 18 (the shared expert through `swiglu`), 1 (the whole GPU suite:
-# runs 43-47 were each cut before pytest's summary, with no failure logged), 13, then
-# 12's parts that runs 44-47 did not reach (the causal backward sweep, SoftCap causal),
-# 11, 15. Runs 48-52 (H100) ran 19, 20, 14 and 17 (its 16k forward sweep cut).
+# approximate tanh), 22 (its counters, its 16k forward), 18 (the shared expert through
+# `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut before pytest's summary,
+# with no failure logged), 13, then 12's parts that runs 44-47 did not reach (the causal
+# backward sweep, SoftCap causal), 11, 15. Runs 48-52 (H100) ran 19, 20, 14 and 17 (its
+# 16k forward sweep cut after 18 configs).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -33,7 +34,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 21}" in
+case "${1:?stage 1 to 22}" in
   1)
     # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
     # before pytest printed anything; run 22 ran 8 tests in 139 s).
@@ -257,6 +258,18 @@ case "${1:?stage 1 to 21}" in
       --out "$out/sweep_tiles_fastest.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 0 1 --config '{}' '{"tiles_fastest": true}' \
       '{"tiles_fastest": true, "fused_dq": true}'
+    ;;
+  22)
+    # The counters of stage 21's launch order beside the default's (run 51: our forward
+    # read 39% of DRAM's rate against tokamax's and cuDNN's 9%, the dK/dV and dQ kernels
+    # 22% and 29% against 7% and 9%), then the forward's schedules at T 16384 with it.
+    step 150 ncu env NCU_LIMIT=130 bash bench/ncu.sh "$out" attention bench.attention_work \
+      --launch 1 mosaic mosaic+tiles_fastest
+    step 300 sweep_tiles_fastest_16k python3 -m bench.sweep_attention \
+      --out "$out/sweep_tiles_fastest_16k.json" --implementation mosaic --seq 16384 \
+      --head-dim 128 --causal 0 --part fwd --config '{"tiles_fastest": true}' \
+      '{"tiles_fastest": true, "overlap_softmax": false}' \
+      '{"tiles_fastest": true, "pingpong": false}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
