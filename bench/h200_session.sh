@@ -251,9 +251,10 @@ case "${1:?stage 1 to 22}" in
   21)
     # Each (batch, head)'s programs side by side (`tiles_fastest`; ncu in run 51: the
     # forward read ~4.5x its operands' bytes from DRAM at T 4096, and `fused_dq` lost at
-    # T 16384 hd 128), then SoftCap with the approximate tanh (cut in run 48). `{}` is
+    # T 16384 hd 128), then SoftCap under FA3's backward (the default for score mods) and
+    # with the approximate tanh (cut in run 48). `{}` is
     # the default since runs 48-49: `fused_dq` up to 512 MiB of reductions a head.
-    WORKERS=4 gpu_tests 150 -k "tiles_fastest or (softcap and approx)"
+    WORKERS=4 gpu_tests 150 -k "tiles_fastest or (softcap and fa3)"
     step 400 sweep_tiles_fastest python3 -m bench.sweep_attention \
       --out "$out/sweep_tiles_fastest.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 0 1 --config '{}' '{"tiles_fastest": true}' \

@@ -308,7 +308,7 @@ def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
     check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
 
 
-@pytest.mark.parametrize("schedule", ["default", "fa3_operands", "fa3_approx_math"])
+@pytest.mark.parametrize("schedule", ["default", "fa3_operands", "fa3", "fa3_approx_math"])
 def test_mosaic_softcap_on_gpu(getkey, schedule):
     """SoftCap inside the Mosaic kernels (tanh and its derivative), beside a causal mask."""
     from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig

@@ -177,21 +177,25 @@ def test_transposed_views(getkey):
 
 
 @pytest.mark.parametrize(
-    "mod, mask",
+    "mod, mask, tuned",
     [
-        (biases.SoftCap(2.0), masks.Causal()),
+        (biases.SoftCap(2.0), masks.Causal(), {}),
         (
             biases.Compose((biases.SoftCap(3.0), biases.SoftCap(1.5))),
             masks.KVLengths(jnp.array([9, 4])),
+            {},
         ),
+        # FA3's backward (the GPU's default): the scaled dS^T also feeds dQ's products.
+        (biases.SoftCap(2.0), masks.Causal(), dict(fused_dq=True, block_k_dkv=128)),
     ],
 )
-def test_softcap_fwd_and_grads(getkey, mod, mask):
+def test_softcap_fwd_and_grads(getkey, mod, mask, tuned):
     """SoftCap in the kernel: its scores forward, its derivative scaling dS backward."""
     q, k, v = make_qkv(getkey(), q_heads=2, kv_heads=1, dtype=jnp.bfloat16)
     ct = jax.random.normal(getkey(), (2, 7, 2, 16))
+    config = dataclasses.replace(CFG, **tuned)
     f = lambda q, k, v: flex_attention(  # noqa: E731
-        q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=CFG
+        q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=config
     )
     check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod)
 
