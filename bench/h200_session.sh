@@ -252,8 +252,8 @@ case "${1:?stage 1 to 22}" in
     # Each (batch, head)'s programs side by side (`tiles_fastest`; ncu in run 51: the
     # forward read ~4.5x its operands' bytes from DRAM at T 4096, and `fused_dq` lost at
     # T 16384 hd 128), then SoftCap under FA3's backward (the default for score mods) and
-    # with the approximate tanh (cut in run 48). `{}` is
-    # the default since runs 48-49: `fused_dq` up to 512 MiB of reductions a head.
+    # with the approximate tanh (cut in run 48). `{}` is the default since runs 48-49:
+    # `fused_dq` up to 512 MiB of reductions a head.
     WORKERS=4 gpu_tests 150 -k "tiles_fastest or (softcap and fa3)"
     step 400 sweep_tiles_fastest python3 -m bench.sweep_attention \
       --out "$out/sweep_tiles_fastest.json" --implementation mosaic --seq 4096 16384 \

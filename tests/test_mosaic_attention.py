@@ -273,9 +273,11 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
 
     sm90 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     shape, ids = (2, 1024, 8, 128), jnp.zeros((2, 1024), jnp.int32)
-    call = lambda mask: AttentionCall.from_args(
-        shape, shape, shape, jnp.dtype(jnp.bfloat16), mask, None
-    )  # noqa: E731
+
+    def call(mask, shape=shape, score_mod=None):
+        return AttentionCall.from_args(shape, shape, shape, jnp.dtype(jnp.bfloat16), mask,
+                                       score_mod)  # fmt: skip
+
     cpu = DeviceInfo("cpu", "cpu", None)
     tiles = lambda cfg: (cfg.block_k, cfg.block_k_dkv, cfg.block_q_dq)  # noqa: E731
     # The GPU's default takes FA3's register operands and transposed views (run 44) and
@@ -301,10 +303,7 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     assert not (interpreted.fused_dq or interpreted.approx_math)
 
     def long(head_dim, score_mod=None):
-        shape = (1, 16384, 8, head_dim)
-        dtype = jnp.dtype(jnp.bfloat16)
-        return default_config(AttentionCall.from_args(shape, shape, shape, dtype, None,
-                                                      score_mod), sm90)  # fmt: skip
+        return default_config(call(None, (1, 16384, 8, head_dim), score_mod), sm90)
 
     assert long(64).fused_dq and not long(128).fused_dq
     assert not long(64, biases.SoftCap(30.0)).approx_math
