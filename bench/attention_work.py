@@ -1,10 +1,10 @@
 """What an attention call runs on the device: `python -m bench.attention_work [IMPL...]`.
 
 For each implementation (ours: `auto`, `cudnn`, `mosaic`, `triton`, `xla`, or one of them
-with boolean config fields turned on, `mosaic+tiles_fastest`; the peers `jax.nn-cudnn`
-and `tokamax-mosaic`), the compiled forward and forward+backward
-programs' device work (the kernels, and every fusion, copy or transpose around them), at
-B4 H8 bf16. Our default takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same
+with config fields set over its default, `mosaic+fused_dq+launch_group=4`; the peers
+`jax.nn-cudnn` and `tokamax-mosaic`), the compiled forward and forward+backward programs'
+device work (the kernels, and every fusion, copy or transpose around them), at B4 H8
+bf16. Our default takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same
 cuDNN kernel: these lists show what our route adds.
 
 `--launch N` then runs each program N times, for a profiler (`bench/ncu.sh`) to time
@@ -15,12 +15,18 @@ each kernel: where our Mosaic backward's time goes beside tokamax's (run 45: fwd
 import argparse
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
 
 from bench.harness import device_work, tokamax_peer
 from probjax_eqx import dot_product_attention, explain_attention, masks
+
+
+def _field(text: str):
+    name, _, value = text.partition("=")
+    return name, json.loads(value) if value else True
 
 
 def _attend(impl: str, causal: bool):
@@ -31,13 +37,13 @@ def _attend(impl: str, causal: bool):
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                  implementation="cudnn")  # fmt: skip
     mask = masks.Causal() if causal else None
-    impl, *flags = impl.split("+")  # `mosaic+tiles_fastest`: the default with those fields on
-    if not flags:
+    impl, *fields = impl.split("+")  # `mosaic+fused_dq+launch_group=4`: `field` is `field=true`
+    if not fields:
         return functools.partial(dot_product_attention, mask=mask, implementation=impl)
 
     def attend(q, k, v):
         choice = explain_attention(q, k, v, mask=mask, implementation=impl)
-        config = dataclasses.replace(choice.config, **dict.fromkeys(flags, True))
+        config = dataclasses.replace(choice.config, **dict(map(_field, fields)))
         return dot_product_attention(q, k, v, mask=mask, implementation=impl, config=config)
 
     return attend

@@ -5,12 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 21 (each head's programs side by side, SoftCap's
-# approximate tanh), 22 (its counters, its 16k forward), 18 (the shared expert through
-# `swiglu`), 1 (the whole GPU suite: runs 43-47 were each cut before pytest's summary,
-# with no failure logged), 13, then 12's parts that runs 44-47 did not reach (the causal
-# backward sweep, SoftCap causal), 11, 15. Runs 48-52 (H100) ran 19, 20, 14 and 17 (its
-# 16k forward sweep cut after 18 configs).
+# Not yet run, in order of need: 21 (`launch_group`'s GPU tests; where SoftCap's GPU
+# test stalls), 22 (launch groups for causal calls), 1 and 23 (the whole GPU suite in
+# two halves: run 56 reached 72% in 540 s, no failure), 13 (run 57 cut it after 18
+# configs), then 12's parts that runs 44-47 did not reach (the causal backward sweep,
+# SoftCap causal), 11, 15. Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -34,11 +33,13 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 22}" in
-  1)
-    # The whole GPU test suite (run 19-21's filtered runs were each cut at 120-150 s
-    # before pytest printed anything; run 22 ran 8 tests in 139 s).
-    step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 bash -c 'mkdir -p $OUT; \
+case "${1:?stage 1 to 23}" in
+  1 | 23)
+    # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
+    # tests of both in 540 s.
+    files=tests/test_gpu_attention.py
+    [ "$1" = 23 ] && files="tests/test_gpu_moe.py tests/test_gpu_parallel.py tests/test_gpu_ssm.py"
+    step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES="$files" bash -c 'mkdir -p $OUT; \
       LIMIT=540 bash bench/gpu_tests.sh --durations=15; cat $OUT/gpu_tests_by_name.txt; \
       cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
     ;;
@@ -249,28 +250,23 @@ case "${1:?stage 1 to 22}" in
       --head-dim 128 --causal 0 1 --config '{}' '{"approx_math": true}'
     ;;
   21)
-    # Each (batch, head)'s programs side by side (`tiles_fastest`; ncu in run 51: the
-    # forward read ~4.5x its operands' bytes from DRAM at T 4096, and `fused_dq` lost at
-    # T 16384 hd 128), then SoftCap under FA3's backward (the default for score mods) and
-    # with the approximate tanh (cut in run 48). `{}` is the default since runs 48-49:
-    # `fused_dq` up to 512 MiB of reductions a head.
-    WORKERS=4 gpu_tests 150 -k "tiles_fastest or (softcap and fa3)"
-    step 400 sweep_tiles_fastest python3 -m bench.sweep_attention \
-      --out "$out/sweep_tiles_fastest.json" --implementation mosaic --seq 4096 16384 \
-      --head-dim 128 64 --causal 0 1 --config '{}' '{"tiles_fastest": true}' \
-      '{"tiles_fastest": true, "fused_dq": true}'
+    # `launch_group` 1 and 3 (the order remapped in the kernel) under FA3's schedule,
+    # then SoftCap's GPU test alone: it has never finished (runs 48, 53, 56); pytest's
+    # faulthandler prints every thread's stack after 100 s (compiling, or a kernel that
+    # never returns).
+    WORKERS=4 gpu_tests 200 -k "launch_group"
+    step 260 softcap env PROBJAX_FAILURE_LOG="$out/softcap_failures.txt" python3 -m pytest \
+      --gpu -p no:benchmark -v -o faulthandler_timeout=100 -x \
+      "tests/test_gpu_attention.py::test_mosaic_softcap_on_gpu[default]"
     ;;
   22)
-    # The counters of stage 21's launch order beside the default's (run 51: our forward
-    # read 39% of DRAM's rate against tokamax's and cuDNN's 9%, the dK/dV and dQ kernels
-    # 22% and 29% against 7% and 9%), then the forward's schedules at T 16384 with it.
-    step 150 ncu env NCU_LIMIT=130 bash bench/ncu.sh "$out" attention bench.attention_work \
-      --launch 1 mosaic mosaic+tiles_fastest
-    step 300 sweep_tiles_fastest_16k python3 -m bench.sweep_attention \
-      --out "$out/sweep_tiles_fastest_16k.json" --implementation mosaic --seq 16384 \
-      --head-dim 128 --causal 0 --part fwd --config '{"tiles_fastest": true}' \
-      '{"tiles_fastest": true, "overlap_softmax": false}' \
-      '{"tiles_fastest": true, "pingpong": false}'
+    # Launch groups under causal masks (H100 run 53: None beat 1 at T 4096, 1.23 against
+    # 1.28 ms fwd+bwd at hd 128; lost at T 16384, 17.2 against 16.6): groups of 4 and 16
+    # pairs keep some of each.
+    step 500 sweep_launch_group python3 -m bench.sweep_attention \
+      --out "$out/sweep_launch_group.json" --implementation mosaic --seq 4096 16384 \
+      --head-dim 128 64 --causal 1 --config '{"launch_group": null}' \
+      '{"launch_group": 1}' '{"launch_group": 4}' '{"launch_group": 16}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

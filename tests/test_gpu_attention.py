@@ -255,8 +255,10 @@ MOSAIC_SCHEDULES = {
 }
 # The whole of FA3 with the compiler's approximate exp2 and tanh, as tokamax compiles.
 MOSAIC_SCHEDULES["fa3_approx_math"] = dict(MOSAIC_SCHEDULES["fa3"], approx_math=True)
-# Each (batch, head)'s programs side by side: the tile axis launched fastest.
-MOSAIC_SCHEDULES["fa3_tiles_fastest"] = dict(MOSAIC_SCHEDULES["fa3"], tiles_fastest=True)
+# Each (batch, head)'s programs side by side: the tile axis launched fastest; then pairs
+# in groups of 3, their order remapped in the kernel (`launch_group`).
+MOSAIC_SCHEDULES["fa3_launch_group_1"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=1)
+MOSAIC_SCHEDULES["fa3_launch_group_3"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=3)
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)

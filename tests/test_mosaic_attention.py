@@ -154,15 +154,38 @@ def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths):
     check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
-@pytest.mark.parametrize("fused_dq", [False, True])
-def test_tiles_fastest_launch_order(getkey, fused_dq):
-    """tiles_fastest: every kernel's grid as (batch, head, tile), over two batch elements
-    and two heads, so that the programs' indices come from their axes' names alone."""
+@pytest.mark.parametrize("group", [None, 1, 2, 3, 4, 9])
+def test_launch_group_covers_every_program_once(group):
+    """`launch_group`'s order: every (tile, head, batch) once; each run of `group * tiles`
+    programs in launch order (the grid's last axis fastest) holds `group` pairs (the
+    last run fewer), whose tiles go rank by rank."""
+    tiles, heads, batch = 3, 2, 2
+    config = MosaicAttentionConfig(launch_group=group, interpret=True)
+    grid, names = mosaic_attention._grid(config, tiles, heads, batch, "q")
+    program = functools.partial(mosaic_attention._program, config, tiles, heads, batch, "q")
+    for name in reversed(names):  # the outermost vmap is the grid's first (slowest) axis
+        program = jax.vmap(program, axis_name=name, axis_size=grid[names.index(name)])
+    ranks, hs, bs = (x.reshape(-1) for x in program())  # launch order: row-major
+    seen = [(int(r), int(h), int(b)) for r, h, b in zip(ranks, hs, bs)]
+    assert sorted(seen) == [(t, h, b) for t in range(tiles) for h in range(heads)
+                            for b in range(batch)]  # fmt: skip
+    pairs = heads * batch
+    size = pairs if group is None else min(group, pairs)
+    for start in range(0, pairs * tiles, size * tiles):
+        run = seen[start : start + size * tiles]
+        assert len({(h, b) for _, h, b in run}) == len(run) // tiles
+        assert [r for r, _, _ in run] == sorted(r for r, _, _ in run)
+
+
+@pytest.mark.parametrize("group, fused_dq", [(1, True), (3, False)])
+def test_launch_group_kernels(getkey, group, fused_dq):
+    """Every kernel in `launch_group`'s order over two batch elements and two heads (3:
+    a group of three pairs and one of one), its indices remapped from the grid's."""
     q, k, v = make_qkv(getkey(), batch=2, q_len=70, kv_len=130, q_heads=2, kv_heads=2,
                        qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
     blocks = dict(block_k_dkv=128) if fused_dq else {}
-    config = dataclasses.replace(CFG, tiles_fastest=True, fused_dq=fused_dq, **blocks)
+    config = dataclasses.replace(CFG, launch_group=group, fused_dq=fused_dq, **blocks)
     check(q, k, v, ct, masks.Causal("bottom_right"), config)
 
 
@@ -297,16 +320,27 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     assert tiles(segments(sm90)) == (128, 128, 128)
     # Segment ids take FA3's forward and backward too (their GPU tests passed in run 51).
     assert fa3_forward(segments(sm90)) == (True, True, 24) and segments(sm90).fused_dq
-    # FA3's backward up to 512 MiB of dQ reductions a head (H100 run 48: slower at
-    # T 16384, hd 128), and the approximate exp2 unless a score mod brings its tanh.
+    # FA3's backward and the approximate exp2 unless a score mod brings its tanh.
     assert dense.fused_dq and dense.approx_math
     assert not (interpreted.fused_dq or interpreted.approx_math)
 
-    def long(head_dim, score_mod=None):
-        return default_config(call(None, (1, 16384, 8, head_dim), score_mod), sm90)
+    def gpu(seq, head_dim, mask=None, score_mod=None):
+        return default_config(call(mask, (1, seq, 8, head_dim), score_mod), sm90)
 
-    assert long(64).fused_dq and not long(128).fused_dq
-    assert not long(64, biases.SoftCap(30.0)).approx_math
+    # Each pair's tiles launched together (H100 run 53), but for causal calls below
+    # T 16384, whose longest tiles go first across every head.
+    assert dense.launch_group == gpu(4096, 64).launch_group == 1
+    assert interpreted.launch_group is None
+    assert gpu(4096, 128, masks.Causal()).launch_group is None
+    assert gpu(16384, 128, masks.Causal()).launch_group == 1
+    assert (
+        gpu(4096, 128, masks.PrefixLM(100) & masks.KVLengths(jnp.array([9]))).launch_group is None
+    )
+    # `fused_dq` up to 1 GiB of dQ reductions a head in that order (run 53), 512 MiB in
+    # the other (run 48: slower at T 16384 hd 128).
+    assert gpu(16384, 128).fused_dq and not gpu(32768, 128).fused_dq
+    assert gpu(12288, 128).fused_dq and not gpu(12288, 128, masks.Causal()).fused_dq  # 576 MiB
+    assert not gpu(16384, 64, score_mod=biases.SoftCap(30.0)).approx_math
     q, k, v = make_qkv(getkey(), batch=2, q_len=64, kv_len=64, qk_dim=128, dtype=jnp.bfloat16)
     big = dataclasses.replace(CFG, block_k_dkv=128)
     with pytest.raises(UnsupportedError, match="shared memory"):

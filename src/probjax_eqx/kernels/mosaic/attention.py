@@ -142,11 +142,15 @@ class MosaicAttentionConfig:
             Interpreted, each program writes its shares to a buffer of its own, summed
             by XLA: jax 0.10's interpreter has no TMA reductions. `default_config` turns
             it on for the GPU up to `_FUSED_DQ_MAX_BYTES` of reductions a head.
-        tiles_fastest: launch each kernel's programs with the tile axis varying fastest
-            (Mosaic GPU launches a grid's last axis fastest): the programs of one batch
-            element and head run side by side, as in FA3 and tokamax, sharing its K / V
-            (forward, dQ) or Q / dO and, with `fused_dq`, dQ^T (dK/dV) in the L2. Off, the
-            batch axis varies fastest and a wave spreads over every head. Not yet timed.
+        launch_group: the order in which each kernel's programs launch (Mosaic GPU
+            launches a grid's last axis fastest). None: tile by tile over every (batch,
+            head) pair, so that a wave spans all heads and, under causal masks, every
+            head's longest tiles go first. n: the pairs in groups of n, one group after
+            another, tile by tile within a group; 1 runs each pair's tiles side by side,
+            as FA3 and tokamax do, sharing its K / V (forward, dQ) or Q / dO and, with
+            `fused_dq`, dQ^T (dK/dV) in the L2. Larger groups trade that reuse for the
+            balance of longest-first. `default_config` picks 1 on the GPU except for
+            short causal calls (`_launch_group`).
         approx_math: the compiler's approximate `exp2` and `tanh` (`approx_math` of
             `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
             its kernels. `default_config` turns it on for the GPU without score mods
@@ -168,7 +172,7 @@ class MosaicAttentionConfig:
     p_in_registers: bool = False
     transposed_views: bool = False
     fused_dq: bool = False
-    tiles_fastest: bool = False
+    launch_group: int | None = None
     approx_math: bool = False
     interpret: bool = False
 
@@ -205,6 +209,8 @@ class MosaicAttentionConfig:
                 "transposed_views needs the GPU or jax >= 0.11: jax 0.10's Mosaic GPU "
                 "interpreter cannot read transposed shared-memory views"
             )
+        if self.launch_group is not None and self.launch_group < 1:
+            raise ValueError(f"launch_group={self.launch_group} must be None or >= 1")
         regs = self.memory_registers
         if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
             raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
@@ -368,10 +374,30 @@ def _smem_need(call: AttentionCall, cfg: MosaicAttentionConfig) -> dict[str, int
 def _grid(
     cfg: MosaicAttentionConfig, tiles: int, heads: int, batch: int, tile_axis: str
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """A kernel's grid and axis names (`tiles_fastest`: Mosaic launches the last fastest)."""
-    if cfg.tiles_fastest:
-        return (batch, heads, tiles), ("b", "h", tile_axis)
-    return (tiles, heads, batch), (tile_axis, "h", "b")
+    """A kernel's grid and axis names: the axis that `launch_group` launches fastest last."""
+    if cfg.launch_group is None:
+        return (tiles, heads, batch), (tile_axis, "h", "b")
+    return (batch, heads, tiles), ("b", "h", tile_axis)
+
+
+def _program(cfg: MosaicAttentionConfig, tiles: int, heads: int, batch: int, tile_axis: str):
+    """This program's `(tile rank, head, batch element)` in `launch_group`'s order.
+
+    The rank counts tiles in launch order (the kernel maps it to its longest-first tile).
+    A group of n pairs takes n * tiles consecutive programs of the launch order, the
+    pair varying fastest; the last group may be short.
+    """
+    rank, h, b = lax.axis_index(tile_axis), lax.axis_index("h"), lax.axis_index("b")
+    group = min(cfg.launch_group or 1, heads * batch)
+    if group == 1:  # as the grid reads (`_grid`): None's order, or each pair's tiles together
+        return rank, h, b
+    pairs, span = heads * batch, jnp.int32(group * tiles)
+    linear = (b * heads + h) * tiles + rank
+    first = lax.div(linear, span) * group
+    within = lax.rem(linear, span)
+    size = jnp.int32(group) if pairs % group == 0 else jnp.minimum(group, pairs - first)
+    pair = first + lax.rem(within, size)
+    return lax.div(within, size), lax.rem(pair, jnp.int32(heads)), lax.div(pair, jnp.int32(heads))
 
 
 def _compiler_params(cfg: MosaicAttentionConfig):
@@ -379,10 +405,10 @@ def _compiler_params(cfg: MosaicAttentionConfig):
 
 
 # `fused_dq` by default up to this many bytes of dQ^T reductions per head (each 128-key
-# program adds a float32 [q_len, head dim]): H100 run 48, B4 H8 hd 128 non-causal, was
-# faster at T 4096 (128 MiB) and slower at T 16384 (1 GiB); hd 64 faster at T 16384
-# (512 MiB).
-_FUSED_DQ_MAX_BYTES = 512 * 2**20
+# program adds a float32 [q_len, head dim]). H100, B4 H8 non-causal: in run 48 (launch
+# order None) faster at T 4096 (128 MiB) and hd 64 T 16384 (512 MiB), slower at hd 128 T
+# 16384 (1 GiB); in run 53 with `launch_group=1` faster there too (32.7 -> 30.0 ms).
+_FUSED_DQ_MAX_BYTES = {None: 512 * 2**20, 1: 2**30}
 
 
 def _fused_dq_bytes(call: AttentionCall) -> int:
@@ -400,7 +426,8 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     forward schedule: ping-pong turns around the intra-warpgroup overlap, 24 registers
     for the TMA warpgroup; FA3's backward (`fused_dq`) up to `_FUSED_DQ_MAX_BYTES` of
     dQ reductions a head; the compiler's approximate exp2 (`approx_math`) unless a score
-    mod brings its tanh (SoftCap's GPU test with it was cut unfinished in run 48).
+    mod brings its tanh (SoftCap's GPU tests have not yet finished on the GPU: cut in
+    runs 48, 53 and 56); each (batch, head)'s tiles launched together (`_launch_group`).
 
     H200 run 44 (B4 H8 T4096 hd128 bf16, non-causal, fwd+bwd): 2.97 ms with 128/128 for
     dK/dV/dQ, 3.35 with 128/64, 3.34 with 64/128 and 3.77 with 64/64; 2.47 with 128/128
@@ -422,16 +449,39 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         overlap_softmax=gpu,
         memory_registers=24 if gpu else None,
         approx_math=gpu and call.score_mod is None,
+        launch_group=_launch_group(call) if gpu else None,
         interpret=not gpu,
     )
     for kernel, field in (("forward", "block_k"), ("dkv", "block_k_dkv"), ("dq", "block_q_dq")):
         if _smem_need(call, cfg)[kernel] > SMEM_LIMIT:
             cfg = dataclasses.replace(cfg, **{field: _WG_ROWS})
-    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= _FUSED_DQ_MAX_BYTES:
+    most = _FUSED_DQ_MAX_BYTES.get(cfg.launch_group, _FUSED_DQ_MAX_BYTES[None])
+    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= most:
         fused = dataclasses.replace(cfg, fused_dq=True)
         if _smem_need(call, fused)["dkv"] <= SMEM_LIMIT:
             cfg = fused
     return cfg
+
+
+# Masks under which a query tile's work grows with its index (`_flash.last_first`).
+_UNEVEN_TILES = frozenset({"causal", "prefix_lm"})
+
+
+def _launch_group(call: AttentionCall) -> int | None:
+    """The GPU's `launch_group`: 1, or None for causal-like masks below T 16384.
+
+    Each (batch, head) pair's tiles together share its operands in the L2; under causal
+    masks below T 16384, every head's longest tiles first balances the last wave better.
+
+    H100 run 53 (B4 H8 bf16, fwd+bwd, hd 128 / 64), None -> 1: non-causal 2.15 -> 2.06 ms /
+    1.27 -> 1.21 at T 4096, 34.9 -> 32.7 / 19.0 -> 17.7 at T 16384; causal 1.23 -> 1.28 /
+    0.69 -> 0.74 at T 4096, 17.2 -> 16.6 / 9.52 -> 8.95 at T 16384. ncu (run 54, T 4096
+    hd 128): the forward's DRAM throughput 41.6% -> 9.3% of peak, 433 -> 412 us.
+    """
+    names = {name for term in call.mask_terms for name in _tiles.spec_names(term)}
+    if names & _UNEVEN_TILES and call.q_len < 16384:
+        return None
+    return 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,17 +526,16 @@ def _id_tiles(shape, own, step, slot):
     return tiles
 
 
-def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, slot, h):
+def _masked(st: _Static, rebuild, scalars: dict, s, q_idx, kv_idx, own, step, slot, h, b):
     """Scores `s` of query head h, the pairs the mask rejects at -inf.
 
     `own` / `step`: the segment-id buffers of `_id_tiles`.
     """
     mask = _mask_of(st, rebuild, scalars, _id_tiles(s.shape, own, step, slot))
-    b = lax.axis_index("b")
     return jnp.where(_flash.valid_pairs(st.ctx, mask, b, h, q_idx, kv_idx), s, -jnp.inf)
 
 
-def _log2_scores(st: _Static, raw, h, q_idx, kv_idx, with_slope=True):
+def _log2_scores(st: _Static, raw, h, b, q_idx, kv_idx, with_slope=True):
     """A tile's scores in log2 units and d(score)/d(q.k) for the backward.
 
     With a score mod that slope is the mod's derivative at each score (a tile, from its
@@ -495,7 +544,6 @@ def _log2_scores(st: _Static, raw, h, q_idx, kv_idx, with_slope=True):
     """
     if st.score_mod is None:
         return raw * (st.scale * LOG2E), None
-    b = lax.axis_index("b")
 
     def modded(x):
         return st.score_mod(x * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
@@ -506,7 +554,7 @@ def _log2_scores(st: _Static, raw, h, q_idx, kv_idx, with_slope=True):
     return scores * LOG2E, slope
 
 
-def _backward_scores(st: _Static, rebuild, scalars, raw, h, positions, masked, ids, slot):
+def _backward_scores(st: _Static, rebuild, scalars, raw, h, b, positions, masked, ids, slot):
     """A backward tile's base-2 scores (score mod and mask applied) and their slope.
 
     `positions()` gives the tile's `(q_idx, kv_idx)`, built only where a mask or a score
@@ -515,10 +563,10 @@ def _backward_scores(st: _Static, rebuild, scalars, raw, h, positions, masked, i
     q_idx = kv_idx = None
     if masked or st.score_mod is not None:
         q_idx, kv_idx = positions()
-    scores, slope = _log2_scores(st, raw, h, q_idx, kv_idx)
+    scores, slope = _log2_scores(st, raw, h, b, q_idx, kv_idx)
     if masked:
         own, step = ids
-        scores = _masked(st, rebuild, scalars, scores, q_idx, kv_idx, own, step, slot, h)
+        scores = _masked(st, rebuild, scalars, scores, q_idx, kv_idx, own, step, slot, h, b)
     return scores, slope
 
 
@@ -618,8 +666,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
     def kt_tile(slot):  # K^T of ring slot `slot`
         return _t_view(k_smem.at[slot], views)
 
-    t = _flash.last_first(lax.axis_index("q"), st.q_pad // (2 * bq))
-    h, b = lax.axis_index("h"), lax.axis_index("b")
+    tiles = st.q_pad // (2 * bq)
+    rank, h, b = _program(cfg, tiles, st.call.q_heads, st.call.batch, "q")
+    t = _flash.last_first(rank, tiles)
     lo, full_lo, full_hi, hi = lo_ref[b, t], flo_ref[b, t], fhi_ref[b, t], hi_ref[b, t]
 
     def compute(wg):
@@ -676,12 +725,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, flo_ref, fhi_ref, hi_ref, *refs, st
             if st.score_mod is None:
                 scaled = lambda x: x * c  # noqa: E731
             else:  # the mod's scores are already in base-2 units
-                s = _log2_scores(st, s, h, q_idx, kv_idx, with_slope=False)[0]
+                s = _log2_scores(st, s, h, b, q_idx, kv_idx, with_slope=False)[0]
                 scaled = lambda x: x  # noqa: E731
             if masked:
                 own = [(k, buf.at[wg]) for k, (buf, _) in q_ids.items()]
                 step = [(k, buf) for k, (buf, _) in kv_ids.items()]
-                s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h)
+                s = _masked(st, rebuild, scalars, s, q_idx, kv_idx, own, step, slot, h, b)
             m_new = jnp.maximum(m, scaled(s.max(axis=1)))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_safe)
@@ -905,13 +954,13 @@ def _query_tile_views(refs, id_refs, b, h, rows, views: bool):
 
 
 def _dkv_step(
-    st, rebuild, scalars, h, i, key0, own, step, ring, slot, tiles, accs, masked, fused=None
+    st, rebuild, scalars, h, b, i, key0, own, step, ring, slot, tiles, accs, masked, fused=None
 ):
     """Add query head h's tile `i` to a warpgroup's dK/dV accumulators (64 keys from key0).
 
-    `ring`: Q, Q^T, dO, dO^T, lse, delta buffers; `tiles`: the keys' K, V and the P^T, dS^T
-    staging buffers; `own` / `step`: segment-id buffers of the keys / the ring; `fused`:
-    the step's `_FusedDq` (`fused_dq`).
+    `b`: the batch element; `ring`: Q, Q^T, dO, dO^T, lse, delta buffers; `tiles`: the
+    keys' K, V and the P^T, dS^T staging buffers; `own` / `step`: segment-id buffers of
+    the keys / the ring; `fused`: the step's `_FusedDq` (`fused_dq`).
     """
     q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem = ring
     k_smem, v_smem, pt_smem, dst_smem = tiles
@@ -925,7 +974,7 @@ def _dkv_step(
 
     def probabilities_then_dv(raw_t):  # while dP^T runs; dV's product then runs on
         scores_t, slope = _backward_scores(
-            st, rebuild, scalars, raw_t, h, positions, masked, (own, step), slot
+            st, rebuild, scalars, raw_t, h, b, positions, masked, (own, step), slot
         )
         pt = jnp.exp2(scores_t - _cols(lse_smem.at[slot][...], shape))
         plgpu.wgmma(dv_acc, _a_operand(pt, dtype, pt_smem), do_smem.at[slot])
@@ -1153,7 +1202,7 @@ def _dkv_kernel(*refs, st, rebuild):
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
     own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
     bq = cfg.block_q_dkv
-    j, kv_h, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+    j, kv_h, b = _program(cfg, st.kv_pad // cfg.block_k_dkv, st.call.kv_heads, st.call.batch, "k")
     groups = st.call.groups
     ranges = tuple(ref[b, j] for ref in refs[8:12])
     operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
@@ -1209,7 +1258,7 @@ def _dkv_kernel(*refs, st, rebuild):
                 h = query_head(g)
                 scalars = {**batch_scalars, **_scalar_values(st, op_refs, b, h, ("head",))}
                 fused = fused_step(wg, n, i, h) if fused_dq else None
-                _dkv_step(st, rebuild, scalars, h, i, key0, own, step, operands, slot, tiles,
+                _dkv_step(st, rebuild, scalars, h, b, i, key0, own, step, operands, slot, tiles,
                           accs, masked, fused)  # fmt: skip
 
             loop(member_step)
@@ -1247,11 +1296,12 @@ def _row_tile_views(refs, id_refs, b, h, rows):
             delta_ref.at[b, h, rows], *(ref.at[b, rows] for ref in id_refs))  # fmt: skip
 
 
-def _dq_step(st, rebuild, scalars, h, j, row0, own, step, ring, slot, tiles, dq_acc, masked):
+def _dq_step(st, rebuild, scalars, h, b, j, row0, own, step, ring, slot, tiles, dq_acc, masked):
     """Add key tile `j`'s share to a warpgroup's dQ accumulator (64 rows from row0).
 
-    `ring`: K^T, K, V^T buffers; `tiles`: the rows' Q, dO, lse, delta and dS staging
-    buffers; `own` / `step`: segment-id buffers of the rows / the ring.
+    `h`, `b`: the query head and batch element; `ring`: K^T, K, V^T buffers; `tiles`: the
+    rows' Q, dO, lse, delta and dS staging buffers; `own` / `step`: segment-id buffers
+    of the rows / the ring.
     """
     kt_smem, k_smem, vt_smem = ring
     q_smem, do_smem, lse_smem, delta_smem, ds_smem = tiles
@@ -1264,7 +1314,7 @@ def _dq_step(st, rebuild, scalars, h, j, row0, own, step, ring, slot, tiles, dq_
 
     def probabilities(raw):  # while dP runs
         s, slope = _backward_scores(
-            st, rebuild, scalars, raw, h, positions, masked, (own, step), slot
+            st, rebuild, scalars, raw, h, b, positions, masked, (own, step), slot
         )
         return jnp.exp2(s - _rows(lse_smem[...], shape)), slope
 
@@ -1308,8 +1358,9 @@ def _dq_kernel(*refs, st, rebuild):
     q_pos, kv_pos = _positional(st, "q_pos"), _positional(st, "kv_pos")
     own_ids, step_ids = pos[: len(q_pos)], pos[len(q_pos) :]
     bk = cfg.block_k_dq
-    i = _flash.last_first(lax.axis_index("q"), st.q_pad // cfg.block_q_dq)
-    h, b = lax.axis_index("h"), lax.axis_index("b")
+    tiles = st.q_pad // cfg.block_q_dq
+    rank, h, b = _program(cfg, tiles, st.call.q_heads, st.call.batch, "q")
+    i = _flash.last_first(rank, tiles)
     kv_h = lax.div(h, jnp.int32(st.call.groups))
     ranges = tuple(ref[b, i] for ref in refs[7:11])
     operands = (kt_smem, k_smem, vt_smem)
@@ -1337,7 +1388,8 @@ def _dq_kernel(*refs, st, rebuild):
 
         def accumulate(dq_acc):
             loop(lambda _, j, n, slot, masked: _dq_step(
-                st, rebuild, scalars, h, j, row0, own, step, operands, slot, tiles, dq_acc, masked
+                st, rebuild, scalars, h, b, j, row0, own, step, operands, slot, tiles, dq_acc,
+                masked,
             ))  # fmt: skip
             return dq_acc[...]
 
