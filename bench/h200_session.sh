@@ -8,8 +8,8 @@
 # Not yet run, in order of need: 21 (`launch_group`'s GPU tests; where SoftCap's GPU
 # test stalls), 22 (launch groups for causal calls), 1 and 23 (the whole GPU suite in
 # two halves: run 56 reached 72% in 540 s, no failure), 13 (run 57 cut it after 18
-# configs), then 12's parts that runs 44-47 did not reach (the causal backward sweep,
-# SoftCap causal), 11, 15. Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
+# configs), 24 (the MoE layer at 1M tokens in a process of its own), then 12's parts
+# that runs 44-47 did not reach (the causal backward sweep, SoftCap causal), 11, 15. Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -33,7 +33,7 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 23}" in
+case "${1:?stage 1 to 24}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -267,6 +267,14 @@ case "${1:?stage 1 to 23}" in
       --out "$out/sweep_launch_group.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 1 --config '{"launch_group": null}' \
       '{"launch_group": 1}' '{"launch_group": 4}' '{"launch_group": 16}'
+    ;;
+  24)
+    # The MoE layer at 1M tokens alone in its process: on the H100 (run 55, after the
+    # 131k rows) auto's 28.41 GiB and xla's 31.75 GiB plans hit OOM, though the card
+    # holds 80; JAX's allocator keeps at most 75% and the earlier rows' regions.
+    step 300 moe_1m env XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m bench.run \
+      --out "$out/moe_1m.json" --suite moe --seq 1048576 \
+      --only "probjax moe auto" "probjax moe fused_gsum" "probjax moe xla"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
