@@ -9,7 +9,8 @@
 # test stalls), 22 (launch groups for causal calls), 1 and 23 (the whole GPU suite in
 # two halves: run 56 reached 72% in 540 s, no failure), 13 (run 57 cut it after 18
 # configs), 24 (the MoE layer at 1M tokens in a process of its own), then 12's parts
-# that runs 44-47 did not reach (the causal backward sweep, SoftCap causal), 11, 15. Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
+# that runs 44-47 did not reach (the causal backward sweep, SoftCap causal), 11, 15.
+# Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
