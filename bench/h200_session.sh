@@ -6,7 +6,8 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 21 (`launch_group`'s GPU tests; where SoftCap's GPU
-# test stalls), 22 (launch groups for causal calls), 1 and 23 (the whole GPU suite in
+# test stalls), 22 (launch groups for causal calls), 14 again (the default since run 53
+# beside tokamax and torch cuDNN in one run), 1 and 23 (the whole GPU suite in
 # two halves: run 56 reached 72% in 540 s, no failure), 13 (run 57 cut it after 18
 # configs), 24 (the MoE layer at 1M tokens in a process of its own), then 12's parts
 # that runs 44-47 did not reach (the causal backward sweep, SoftCap causal), 11, 15.
