@@ -269,8 +269,8 @@ case "${1:?stage 1 to 24}" in
       --out "$out/sweep_launch_group.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 1 --config '{"launch_group": null}' \
       '{"launch_group": 1}' '{"launch_group": 4}' '{"launch_group": 16}'
-    # The forward without ping-pong in that order (run 54, T 16384 hd 128: 6.83 ms
-    # against 7.02 with it; run 51 in the other order: 7.94 against 8.04).
+    # The forward without ping-pong (the overlap alone) in the new order: run 54, T 16384
+    # hd 128, 6.83 ms against 7.02 with it.
     step 250 sweep_pingpong python3 -m bench.sweep_attention \
       --out "$out/sweep_pingpong.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 0 --part fwd --config '{}' '{"pingpong": false}'
