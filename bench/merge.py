@@ -17,13 +17,18 @@ from bench.report import validate
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def _rows(path: pathlib.Path) -> list[dict]:
+    """A run file's rows: a suite's `{"rows": [...]}` or a sweep's bare list."""
+    data = json.loads(path.read_text())
+    return data["rows"] if isinstance(data, dict) else data
+
+
 def merge(files: list[pathlib.Path], run: int, into: pathlib.Path, *, suite_rows: bool) -> int:
     """Append the rows of `files` to `into` (a `{"rows": [...]}` file), each with `run`."""
     target = json.loads(into.read_text()) if into.exists() else {"rows": []}
     added = 0
     for path in files:
-        data = json.loads(path.read_text())
-        for row in data["rows"] if isinstance(data, dict) else data:
+        for row in _rows(path):
             row["run"] = run
             if suite_rows:
                 validate(row)
@@ -42,11 +47,7 @@ def results_for(device_kind: str) -> pathlib.Path:
 
 
 def _device_kind(files: list[pathlib.Path]) -> str:
-    kinds = set()
-    for path in files:
-        data = json.loads(path.read_text())
-        rows = data["rows"] if isinstance(data, dict) else data
-        kinds |= {row["device"]["kind"] for row in rows}
+    kinds = {row["device"]["kind"] for path in files for row in _rows(path)}
     if len(kinds) != 1:
         raise ValueError(f"the rows come from {sorted(kinds)}: merge one device's at a time")
     return kinds.pop()
