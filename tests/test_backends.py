@@ -72,14 +72,16 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), mask=segments, implementation=backend)
     assert choice.kernel == "mosaic"
     assert "mask 'segments' not supported" in dict(choice.rejected)["cudnn"]
-    # Score mods: their own regime, Triton first (Mosaic's SoftCap is not timed yet);
-    # Mosaic, pinned, takes SoftCap and refuses a parametric mod with the reason.
+    # Score mods: their own regime, Mosaic first (its SoftCap beat Triton's in run 60),
+    # Triton for the mods Mosaic lacks; Mosaic, pinned, refuses those with the reason.
     soft = biases.SoftCap(30.0)
     choice = explain_attention(*shapes(), score_mod=soft, implementation=backend)
-    assert choice.kernel == "triton" and "'sm_90:score_mod' priority list" in choice.reason
-    mosaic = resolve("attention", "mosaic", device=H200, environ={})
-    assert explain_attention(*shapes(), score_mod=soft, implementation=mosaic).kernel == "mosaic"
+    assert choice.kernel == "mosaic" and "'sm_90:score_mod' priority list" in choice.reason
     alibi = biases.ALiBi.from_num_heads(4)
+    choice = explain_attention(*shapes(), score_mod=alibi, implementation=backend)
+    assert choice.kernel == "triton"
+    assert "score mods ['alibi'] are not in the Mosaic" in dict(choice.rejected)["mosaic"]
+    mosaic = resolve("attention", "mosaic", device=H200, environ={})
     with pytest.raises(UnsupportedError, match=r"score mods \['alibi'\] are not in the Mosaic"):
         explain_attention(*shapes(), score_mod=alibi, implementation=mosaic)
     # A dense mask is beyond every kernel: only XLA computes it.

@@ -328,16 +328,19 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
         return default_config(call(mask, (1, seq, 8, head_dim), score_mod), sm90)
 
     # Each pair's tiles launched together (H100 run 53), but for causal calls below
-    # T 16384, whose longest tiles go first across every head.
+    # T 16384: groups of 4 pairs, longest tiles first within each (run 59).
     assert dense.launch_group == gpu(4096, 64).launch_group == 1
     assert interpreted.launch_group is None
-    assert gpu(4096, 128, masks.Causal()).launch_group is None
+    assert gpu(4096, 128, masks.Causal()).launch_group == 4
     assert gpu(16384, 128, masks.Causal()).launch_group == 1
-    assert (
-        gpu(4096, 128, masks.PrefixLM(100) & masks.KVLengths(jnp.array([9]))).launch_group is None
-    )
-    # `fused_dq` up to 1 GiB of dQ reductions a head in that order (run 53), 512 MiB in
-    # the other (run 48: slower at T 16384 hd 128).
+    assert gpu(4096, 128, masks.PrefixLM(100) & masks.KVLengths(jnp.array([9]))).launch_group == 4
+    # Ping-pong turns but for non-causal calls at hd 64 or T 16384 (run 59).
+    assert gpu(4096, 128).pingpong and gpu(4096, 64, masks.Causal()).pingpong
+    assert gpu(16384, 128, masks.Causal()).pingpong
+    assert not (gpu(4096, 64).pingpong or gpu(16384, 128).pingpong)
+    assert not gpu(8192, 64, masks.KVLengths(jnp.array([9]))).pingpong
+    # `fused_dq` up to 1 GiB of dQ reductions a head with groups of 1 (run 53), 512 MiB
+    # in the other orders (run 48: slower at T 16384 hd 128).
     assert gpu(16384, 128).fused_dq and not gpu(32768, 128).fused_dq
     assert gpu(12288, 128).fused_dq and not gpu(12288, 128, masks.Causal()).fused_dq  # 576 MiB
     assert not gpu(16384, 64, score_mod=biases.SoftCap(30.0)).approx_math

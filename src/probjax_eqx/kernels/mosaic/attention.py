@@ -103,7 +103,8 @@ class MosaicAttentionConfig:
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
             softmax while the other's products are on the tensor cores. `default_config`
-            turns it on for the GPU with `overlap_softmax` and 24 TMA registers: run 47
+            turns it on for the GPU with `overlap_softmax` and 24 TMA registers, except
+            for non-causal calls at hd <= 64 or T >= 16384 (`_pingpong`): run 47
             (B4 H8 T4096 hd128, fwd) 0.530 ms, 0.565 with ping-pong alone (40 TMA
             registers), 0.571 with neither.
         named_turns: the ping-pong turns on two hardware named barriers (`bar.sync` /
@@ -149,8 +150,8 @@ class MosaicAttentionConfig:
             another, tile by tile within a group; 1 runs each pair's tiles side by side,
             as FA3 and tokamax do, sharing its K / V (forward, dQ) or Q / dO and, with
             `fused_dq`, dQ^T (dK/dV) in the L2. Larger groups trade that reuse for the
-            balance of longest-first. `default_config` picks 1 on the GPU except for
-            short causal calls (`_launch_group`).
+            balance of longest-first. `default_config` picks 1 on the GPU, 4 for short
+            causal calls (`_launch_group`).
         approx_math: the compiler's approximate `exp2` and `tanh` (`approx_math` of
             `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
             its kernels. `default_config` turns it on for the GPU without score mods
@@ -408,6 +409,7 @@ def _compiler_params(cfg: MosaicAttentionConfig):
 # program adds a float32 [q_len, head dim]). H100, B4 H8 non-causal: in run 48 (launch
 # order None) faster at T 4096 (128 MiB) and hd 64 T 16384 (512 MiB), slower at hd 128 T
 # 16384 (1 GiB); in run 53 with `launch_group=1` faster there too (32.7 -> 30.0 ms).
+# Other launch groups keep None's bound: none of them was timed at 1 GiB.
 _FUSED_DQ_MAX_BYTES = {None: 512 * 2**20, 1: 2**30}
 
 
@@ -423,11 +425,11 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
 
     On the GPU FA3's register operands and transposed views (`p_in_registers`,
     `transposed_views`), which the interpreter of the CPU tests cannot run; FA3's
-    forward schedule: ping-pong turns around the intra-warpgroup overlap, 24 registers
-    for the TMA warpgroup; FA3's backward (`fused_dq`) up to `_FUSED_DQ_MAX_BYTES` of
+    forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
+    24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to `_FUSED_DQ_MAX_BYTES` of
     dQ reductions a head; the compiler's approximate exp2 (`approx_math`) unless a score
-    mod brings its tanh (SoftCap's GPU tests have not yet finished on the GPU: cut in
-    runs 48, 53 and 56); each (batch, head)'s tiles launched together (`_launch_group`).
+    mod brings its tanh (untested approximated: SoftCap's GPU test, exact, passed in run
+    58); each (batch, head)'s tiles launched together (`_launch_group`).
 
     H200 run 44 (B4 H8 T4096 hd128 bf16, non-causal, fwd+bwd): 2.97 ms with 128/128 for
     dK/dV/dQ, 3.35 with 128/64, 3.34 with 64/128 and 3.77 with 64/64; 2.47 with 128/128
@@ -445,7 +447,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         block_q_dq=128,
         p_in_registers=gpu,
         transposed_views=gpu,
-        pingpong=gpu,
+        pingpong=gpu and _pingpong(call),
         overlap_softmax=gpu,
         memory_registers=24 if gpu else None,
         approx_math=gpu and call.score_mod is None,
@@ -467,21 +469,41 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
 _UNEVEN_TILES = frozenset({"causal", "prefix_lm"})
 
 
-def _launch_group(call: AttentionCall) -> int | None:
-    """The GPU's `launch_group`: 1, or None for causal-like masks below T 16384.
+def _mask_names(call: AttentionCall) -> set[str]:
+    return {name for term in call.mask_terms for name in _tiles.spec_names(term)}
+
+
+def _launch_group(call: AttentionCall) -> int:
+    """The GPU's `launch_group`: 1, or 4 for causal-like masks below T 16384.
 
     Each (batch, head) pair's tiles together share its operands in the L2; under causal
-    masks below T 16384, every head's longest tiles first balances the last wave better.
+    masks below T 16384, groups of 4 pairs keep most of that and balance the last wave
+    with their longest tiles first.
 
     H100 run 53 (B4 H8 bf16, fwd+bwd, hd 128 / 64), None -> 1: non-causal 2.15 -> 2.06 ms /
-    1.27 -> 1.21 at T 4096, 34.9 -> 32.7 / 19.0 -> 17.7 at T 16384; causal 1.23 -> 1.28 /
-    0.69 -> 0.74 at T 4096, 17.2 -> 16.6 / 9.52 -> 8.95 at T 16384. ncu (run 54, T 4096
-    hd 128): the forward's DRAM throughput 41.6% -> 9.3% of peak, 433 -> 412 us.
+    1.27 -> 1.21 at T 4096, 34.9 -> 32.7 / 19.0 -> 17.7 at T 16384. ncu (run 54, T 4096
+    hd 128): the forward's DRAM throughput 41.6% -> 9.3% of peak, 433 -> 412 us. Causal,
+    run 59 (fwd / fwd+bwd, groups None / 1 / 4 / 16): T 4096 hd 128 0.278 / 0.284 / 0.261 /
+    0.272 and 1.28 / 1.30 / 1.21 / 1.22 ms, hd 64 0.199 / 0.218 / 0.194 / 0.197 and 0.697 /
+    0.736 / 0.675 / 0.674; T 16384 hd 128 3.82 / 3.53 / 3.63 / 3.70 and 17.0 / 16.1 / 16.3 /
+    16.8, hd 64 2.73 / 2.61 / 2.62 / 2.69 and 9.66 / 9.07 / 9.10 / 9.30.
     """
-    names = {name for term in call.mask_terms for name in _tiles.spec_names(term)}
-    if names & _UNEVEN_TILES and call.q_len < 16384:
-        return None
+    if _mask_names(call) & _UNEVEN_TILES and call.q_len < 16384:
+        return 4
     return 1
+
+
+def _pingpong(call: AttentionCall) -> bool:
+    """The GPU's `pingpong`: off where the intra-warpgroup overlap alone was faster.
+
+    H100 run 59 (B4 H8 bf16 non-causal forward, `launch_group=1`, with / without): hd 128
+    0.475 / 0.484 ms at T 4096, 6.98 / 6.90 at T 16384 (run 63's sweep 7.18 / 6.83, run 54
+    7.02 / 6.83); hd 64 0.359 / 0.350 at T 4096, 5.28 / 4.98 at T 16384. Causal-like
+    masks keep it: not yet timed without it in this launch order.
+    """
+    if _mask_names(call) & _UNEVEN_TILES:
+        return True
+    return call.qk_dim > 64 and call.q_len < 16384
 
 
 @dataclasses.dataclass(frozen=True)
