@@ -5,13 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 21 (`launch_group`'s GPU tests; where SoftCap's GPU
-# test stalls), 22 (launch groups for causal calls), 14 again (the default since run 53
-# beside tokamax and torch cuDNN in one run), 1 and 23 (the whole GPU suite in
-# two halves: run 56 reached 72% in 540 s, no failure), 13 (run 57 cut it after 18
-# configs), 24 (the MoE layer at 1M tokens in a process of its own), then 12's parts
-# that runs 44-47 did not reach (the causal backward sweep, SoftCap causal), 11, 15.
-# Runs 53-57 (H100) ran 21, 22, 18, 1 and part of 13.
+# Not yet run, in order of need: 25 (the GPU tests of the defaults changed after runs
+# 59-60, and those run 61 did not reach), 26 (ping-pong under causal masks; the backward
+# configs at T 4096), 23 (the GPU suite's other half: MoE, parallel, SSM), then 12's
+# parts that runs 44-47 did not reach (SoftCap causal), 11, 15.
+# Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -35,7 +33,12 @@ suite() {  # suite SECONDS NAME ARGS...: one bench.run call into $OUT/NAME.json
   shift 2
   step "$limit" "$name" python3 -m bench.run --out "$out/$name.json" "$@"
 }
-case "${1:?stage 1 to 24}" in
+sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms at 128/128)
+  step 330 sweep_mosaic_bwd python3 -m bench.sweep_attention \
+    --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
+    --head-dim 128 --causal 0 1 --part bwd
+}
+case "${1:?stage 1 to 26}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -180,14 +183,12 @@ case "${1:?stage 1 to 24}" in
       --causal 0 1 --part fwd
     ;;
   13)
-    # The forward configs at T 16384 (#5: 550 TFLOP/s, hd 128 non-causal), then the
-    # backward configs at T 4096 (run 16: fwd+bwd 2.82 ms at 128/128).
+    # The forward configs at T 16384 (#5: 550 TFLOP/s, hd 128 non-causal; run 63: 6.83 ms
+    # at best, 644 TFLOP/s), then the backward configs at T 4096 (stage 26 runs those).
     step 230 sweep_mosaic_16k python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_16k.json" --implementation mosaic --seq 16384 \
       --head-dim 128 --causal 0 --part fwd
-    step 330 sweep_mosaic_bwd python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
-      --head-dim 128 --causal 0 1 --part bwd
+    sweep_mosaic_bwd
     ;;
   14)
     # Fwd+bwd of Mosaic's default (FA3's forward schedule since run 47) beside tokamax
@@ -282,6 +283,26 @@ case "${1:?stage 1 to 24}" in
     step 300 moe_1m env XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m bench.run \
       --out "$out/moe_1m.json" --suite moe --seq 1048576 \
       --only "probjax moe auto" "probjax moe fused_gsum" "probjax moe xla"
+    ;;
+  25)
+    # The defaults changed after runs 59-60 (causal launch groups of 4, no ping-pong for
+    # non-causal hd 64 / T 16384, SoftCap routed to Mosaic) under their GPU tests, with
+    # those run 61 cut: SoftCap's FA3 schedules, fused_dq under vmap, fp16, cuDNN's
+    # padded repeats and the segment / KV-length schedules.
+    step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
+      bash -c 'mkdir -p $OUT; LIMIT=540 bash bench/gpu_tests.sh --durations=15 -k \
+        "mosaic_matches_oracle or softcap or auto or fused_dq_under_vmap or fp16_unaligned \
+        or padded_backward_repeats or (schedules and (segments or kv_lengths))"; \
+        cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+        tail -25 $OUT/gpu_tests.txt'
+    ;;
+  26)
+    # Ping-pong under causal masks in their launch order (run 59 timed it only without
+    # masks: off won at hd 64 and T 16384), then the backward configs.
+    step 250 sweep_pingpong_causal python3 -m bench.sweep_attention \
+      --out "$out/sweep_pingpong_causal.json" --implementation mosaic --seq 4096 16384 \
+      --head-dim 128 64 --causal 1 --part fwd --config '{}' '{"pingpong": false}'
+    sweep_mosaic_bwd
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
