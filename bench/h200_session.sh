@@ -7,7 +7,8 @@
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 25 (the GPU tests of the defaults changed after runs
 # 59-60, and those run 61 did not reach), 26 (ping-pong under causal masks; the backward
-# configs at T 4096), 23 (the GPU suite's other half: MoE, parallel, SSM), then 12's
+# configs at T 4096), 27 (ncu of the backward's XLA work around its kernel, ours and JAX
+# cuDNN's), 23 (the GPU suite's other half: MoE, parallel, SSM), then 12's
 # parts that runs 44-47 did not reach (SoftCap causal), 11, 15.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13.
 set -u
@@ -38,7 +39,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 26}" in
+case "${1:?stage 1 to 27}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -303,6 +304,15 @@ case "${1:?stage 1 to 26}" in
       --out "$out/sweep_pingpong_causal.json" --implementation mosaic --seq 4096 16384 \
       --head-dim 128 64 --causal 1 --part fwd --config '{}' '{"pingpong": false}'
     sweep_mosaic_bwd
+    ;;
+  27)
+    # Where the backward's time goes around its kernel, ours beside JAX's cuDNN route
+    # (run 60, T 4096 hd 128: fwd+bwd 2.07 ms Mosaic, 2.00 JAX cuDNN, 1.88 torch cuDNN,
+    # whose kernels are the same): XLA's fusions too (dQ^T's zeros and transpose, the
+    # row sums of dO * O), one launch of each program.
+    step 200 ncu env NCU_LIMIT=180 NCU_KERNELS='regex:mosaic_gpu|fusion|cudnn|fmha|sdpa' \
+      bash bench/ncu.sh "$out" attention_fusions bench.attention_work --launch 1 mosaic \
+      jax.nn-cudnn
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -3,9 +3,10 @@
 #   bash bench/ncu.sh OUTDIR NAME MODULE ARGS...   (e.g. NAME decode, MODULE
 #   bench.profile_decode; NAME attention, MODULE bench.attention_work --launch 1).
 # NCU_LIMIT (seconds, default 300): stay under the caller's own limit, so the cleanup runs.
-# Writes OUTDIR/ncu_NAME.txt and prints each kernel's key lines. Needs `ncu`. Keep the
-# kernel filter (Mosaic GPU's `*_mosaic_gpu`, Triton's `probjax*`, cuDNN's and torch's):
-# profiling every kernel (XLA's autotuning included) ran past 200 s on the H200.
+# Writes OUTDIR/ncu_NAME.txt and prints each kernel's key lines. Needs `ncu`. Keep a
+# kernel filter (default: Mosaic GPU's `*_mosaic_gpu`, Triton's `probjax*`, cuDNN's and
+# torch's; NCU_KERNELS replaces it, e.g. to add XLA's fusions): profiling every kernel
+# (XLA's autotuning included) ran past 200 s on the H200.
 set -u
 out=$1 name=$2; shift 2
 log="$out/ncu_$name.txt"
@@ -13,7 +14,7 @@ keys='Duration|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved 
 # Kernel replay saves and restores the device memory the process holds: without JAX's
 # preallocation (75% of the GPU) that is MBs, not ~100 GB a pass (run 47 timed out on it).
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_LIMIT:-300}" ncu --clock-control none \
-    -k 'regex:probjax|mosaic_gpu|sdpa|fmha|flash|fprop|dgrad|cudnn' \
+    -k "${NCU_KERNELS:-regex:probjax|mosaic_gpu|sdpa|fmha|flash|fprop|dgrad|cudnn}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats \
     python3 -m "$@" >"$log" 2>&1
 status=$?

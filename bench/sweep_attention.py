@@ -88,12 +88,13 @@ MOSAIC_FWD = [
     (128, 2, 24, False, True),
     (128, 2, 32, False, True),
     (128, 2, 40, False, True),
-    # P from registers (FA3): its SMEM freed, a third stage fits (with 64-key dK/dV tiles)
+    # P from registers (FA3): its SMEM freed, a third stage fits (with 64-key dK/dV tiles,
+    # which the fused dQ does not take)
     (128, 2, None, False, False, True),
     (128, 2, 24, False, True, True),
     (128, 2, 32, False, True, True),
     dict(block_k=128, num_stages=3, overlap_softmax=True, memory_registers=24,
-         p_in_registers=True, block_k_dkv=64),
+         p_in_registers=True, block_k_dkv=64, fused_dq=False),
     # K^T as a view of K's tiles: no XLA transpose; the backward's rings then fit 3 stages
     dict(transposed_views=True),
     dict(transposed_views=True, p_in_registers=True, overlap_softmax=True, memory_registers=24),
@@ -102,17 +103,12 @@ MOSAIC_FWD = [
     dict(transposed_views=True, p_in_registers=True, overlap_softmax=True, memory_registers=24,
          num_stages=3, block_k=64),
 ]  # fmt: skip
-# Mosaic backward: (keys per dK/dV program, rows per dQ program, keys per dQ step, ring
-# depth[, P^T / dS^T / dS from registers]); 128 keys / rows: two compute warpgroups and a
-# TMA warpgroup.
-MOSAIC_BWD = [dict(p_in_registers=False, transposed_views=False), dict(num_stages=3),
-              (64, 64, 64, 2), (128, 64, 64, 2), (64, 128, 64, 2), (128, 128, 64, 2),
-              (64, 64, 128, 2), (128, 128, 64, 2, True), (128, 64, 128, 2, True),
-              # transposed views: the rings carry half the tiles, so three stages fit
-              dict(block_k_dkv=128, block_q_dq=128, transposed_views=True),
-              dict(block_k_dkv=128, block_q_dq=128, transposed_views=True, p_in_registers=True),
-              dict(block_k_dkv=128, block_q_dq=128, transposed_views=True, p_in_registers=True,
-                   num_stages=3)]  # fmt: skip
+# Mosaic backward, as overrides of the call's default config (FA3's fused dQ on the GPU):
+# the TMA warpgroup's registers (FA3 takes 24), ring depth, the dQ kernel instead of the
+# fused dQ, the launch order, the exact exp2.
+MOSAIC_BWD = [{}, dict(backward_memory_registers=24), dict(backward_memory_registers=56),
+              dict(num_stages=3), dict(fused_dq=False), dict(fused_dq=False, block_k_dq=128),
+              dict(launch_group=None), dict(launch_group=4), dict(approx_math=False)]  # fmt: skip
 CONFIG_TYPES = {"triton": TritonAttentionConfig, "mosaic": MosaicAttentionConfig}
 
 
@@ -121,8 +117,7 @@ def _configs(implementation, float32=False):
         keys = ("block_k", "num_stages", "memory_registers", "pingpong", "overlap_softmax",
                 "p_in_registers")  # fmt: skip
         out = [("fwd", dict(zip(keys, t)) if isinstance(t, tuple) else t) for t in MOSAIC_FWD]
-        keys = ("block_k_dkv", "block_q_dq", "block_k_dq", "num_stages", "p_in_registers")
-        out += [("bwd", dict(zip(keys, t)) if isinstance(t, tuple) else t) for t in MOSAIC_BWD]
+        out += [("bwd", overrides) for overrides in MOSAIC_BWD]
         return out
     keys = ("block_q", "block_k", "num_warps", "num_stages", "num_splits")
     out = [("fwd", dict(zip(keys, tiles))) for tiles in FWD]

@@ -92,6 +92,28 @@ def test_set_overrides_parse_ints_floats_booleans_and_names():
     }
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_sweep_configs_are_valid_over_the_gpu_default(causal):
+    # A sweep's configs replace fields of the call's GPU default: one the config refuses
+    # would time nothing (the backward list's tile tuples had, predating the fused dQ).
+    import dataclasses
+
+    import jax.numpy as jnp
+    from bench.sweep_attention import _configs
+
+    from probjax_eqx import masks
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo
+    from probjax_eqx.kernels.mosaic.attention import default_config
+
+    shape, sm90 = (4, 4096, 8, 128), DeviceInfo("gpu", "NVIDIA H100", "sm_90")
+    mask = masks.Causal() if causal else None
+    call = AttentionCall.from_args(shape, shape, shape, jnp.dtype(jnp.bfloat16), mask, None)
+    default = default_config(call, sm90)
+    for _, overrides in _configs("mosaic"):
+        dataclasses.replace(default, **overrides)
+
+
 def test_merge_appends_validated_rows_with_their_run(tmp_path):
     import json
 

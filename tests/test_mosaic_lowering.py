@@ -60,6 +60,8 @@ CASES = {
         # grid's own order; 3, remapped in the kernel.
         dict(launch_group=1, fused_dq=True, block_k_dkv=128, approx_math=True, **FA3_GPU),
         dict(launch_group=3, block_k_dkv=128),
+        # FA3's backward register split: 24 registers for the TMA warpgroup.
+        dict(fused_dq=True, block_k_dkv=128, backward_memory_registers=24, **FA3_GPU),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):

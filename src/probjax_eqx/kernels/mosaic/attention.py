@@ -52,6 +52,7 @@ from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
 from probjax_eqx.kernels.mosaic._common import (
+    MEMORY_REGISTERS,
     SMEM_LIMIT,
     accumulating_kernel,
     named_barrier,
@@ -99,6 +100,8 @@ class MosaicAttentionConfig:
             64K-register file. None (default) leaves the even split, 168 each: on the
             H200 (run 15, B4 H8 T4096 hd128) the forward took 0.602 ms with it and
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
+        backward_memory_registers: the same for the TMA warpgroup of the two-warpgroup
+            dK/dV and dQ programs (FA3's backward takes 24).
         pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
@@ -167,6 +170,7 @@ class MosaicAttentionConfig:
     block_k_dq: int = 64
     num_stages: int = 2
     memory_registers: int | None = None
+    backward_memory_registers: int = MEMORY_REGISTERS
     pingpong: bool = False
     named_turns: bool = True
     overlap_softmax: bool = False
@@ -212,9 +216,10 @@ class MosaicAttentionConfig:
             )
         if self.launch_group is not None and self.launch_group < 1:
             raise ValueError(f"launch_group={self.launch_group} must be None or >= 1")
-        regs = self.memory_registers
-        if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
-            raise ValueError(f"memory_registers={regs} must be a multiple of 8 in [24, 256]")
+        for field in ("memory_registers", "backward_memory_registers"):
+            regs = getattr(self, field)
+            if regs is not None and not (24 <= regs <= 256 and regs % 8 == 0):
+                raise ValueError(f"{field}={regs} must be a multiple of 8 in [24, 256]")
 
 
 def _round_up(n: int, m: int) -> int:
@@ -1118,7 +1123,9 @@ class _Ring:
             plgpu.barrier_wait(self.bars.at[k * self.stages + slot])
 
 
-def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
+def _backward_program(
+    ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1
+):
     """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
 
     `compute(loop, wg)` holds the accumulators and calls `loop(step)`, which runs
@@ -1127,7 +1134,7 @@ def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
     (`views_of(g, i)`) in ring slot `slot`. Without `ring.free` one warpgroup (wg None)
     prefetches the next step's operands before computing the current one; with it,
     warpgroups 0 and 1 compute while warpgroup 2 streams the operands through the ring
-    (`tma_ring`), with FA3's register split.
+    (`tma_ring`), `memory_registers` a thread for the latter (FA3's split).
     """
     lo, stages = ranges[0], ring.stages
     count = ranges[3] - lo
@@ -1171,6 +1178,7 @@ def _backward_program(ring: _Ring, ranges, views_of, compute, members: int = 1):
         lambda: tma_ring(
             steps, stages, [(ring.free, lambda n, slot: ring.issue(views_at(n), slot))]
         ),
+        memory_registers,
     )
 
 
@@ -1293,7 +1301,9 @@ def _dkv_kernel(*refs, st, rebuild):
         # K and V are no longer needed: their buffers stage the outputs.
         _store((dk, tiles[0], dk_ref.at[b, keys, kv_h]), (dv, tiles[1], dv_ref.at[b, keys, kv_h]))
 
-    _backward_program(ring, ranges, views_of, compute, members=groups)
+    _backward_program(
+        ring, ranges, views_of, compute, st.config.backward_memory_registers, members=groups
+    )
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):
@@ -1418,7 +1428,7 @@ def _dq_kernel(*refs, st, rebuild):
         dq = pl.run_scoped(accumulate, ACC((_WG_ROWS, st.d), jnp.float32))
         _store((dq, tiles[0], dq_ref.at[b, rows, h]))  # Q's buffer stages dQ
 
-    _backward_program(ring, ranges, views_of, compute)
+    _backward_program(ring, ranges, views_of, compute, st.config.backward_memory_registers)
 
 
 def _transposed_source(x, cfg: MosaicAttentionConfig):
