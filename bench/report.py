@@ -176,6 +176,8 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
                 base = runs.get((case, row.get("run", 0), default)) if default else None
                 ratio = _ratio(row, base)
                 mark = f"**{impl}** (default)" if impl == default else impl
+                if row.get("kernel") and not impl.endswith(row["kernel"]):
+                    mark += f": {row['kernel']}"  # which kernel `auto` ran
                 status = row["status"] if row["status"] == "ok" else (
                     f"{row['status']}: {row['message'][:60]}"
                 )  # fmt: skip

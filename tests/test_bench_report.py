@@ -25,7 +25,9 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
         _row("torch sdpa cudnn", 1.6, peer=True),  # a peer that wins: a known gap
         _row("jax.nn xla", 6.0, peer=True),
         _row("probjax mosaic", 0.0, status="unsup.", message="UnsupportedError: no"),
-        _row("probjax auto", 1.5, run=2, date="2026-12-04T00:00:00"),  # newer run wins
+        _row("probjax triton", 1.8, kernel="triton"),
+        # The newer run wins; its default names the kernel it ran.
+        _row("probjax auto", 1.5, run=2, date="2026-12-04T00:00:00", kernel="cudnn"),
         _row("torch sdpa flash", 1.0, peer=True, run=3),  # no default in its run: no ratio
         dict(_row("probjax moe auto", 4.0, temp_bytes=2**30), suite="moe"),
     ]
@@ -34,7 +36,8 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     (logs / "h200_gpu_tests_run1.txt").write_text("..\n==== 2 passed, 1 failed in 3.0s ====\n")
     path = render(rows, tmp_path / "out", "h200", logs=logs)
     text = path.read_text()
-    assert "| **probjax auto** (default) | ok | 0.500 | 1.500 |" in text
+    assert "| **probjax auto** (default): cudnn | ok | 0.500 | 1.500 |" in text
+    assert "| probjax triton | ok | 0.600 | 1.800 |" in text
     assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - | 3 |" in text  # its run
     # Ratios pair rows of one run: run 1's default (2.0), not the newer run's (1.5).
     assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 0.80 |" in text
