@@ -101,7 +101,7 @@ class MosaicAttentionConfig:
             H200 (run 15, B4 H8 T4096 hd128) the forward took 0.602 ms with it and
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
         backward_memory_registers: the same for the TMA warpgroup of the two-warpgroup
-            dK/dV and dQ programs (FA3's backward takes 24).
+            dK/dV and dQ programs: 40 (FA3's backward takes 24; stage 26 times both).
         pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
@@ -431,10 +431,11 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     On the GPU FA3's register operands and transposed views (`p_in_registers`,
     `transposed_views`), which the interpreter of the CPU tests cannot run; FA3's
     forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
-    24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to `_FUSED_DQ_MAX_BYTES` of
-    dQ reductions a head; the compiler's approximate exp2 (`approx_math`) unless a score
-    mod brings its tanh (untested approximated: SoftCap's GPU test, exact, passed in run
-    58); each (batch, head)'s tiles launched together (`_launch_group`).
+    24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to
+    `_FUSED_DQ_MAX_BYTES` of dQ reductions a head; the compiler's approximate exp2
+    (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU test passed exact
+    in run 58, its approximated case not yet run); each (batch, head)'s tiles launched
+    together (`_launch_group`).
 
     H200 run 44 (B4 H8 T4096 hd128 bf16, non-causal, fwd+bwd): 2.97 ms with 128/128 for
     dK/dV/dQ, 3.35 with 128/64, 3.34 with 64/128 and 3.77 with 64/64; 2.47 with 128/128
