@@ -8,7 +8,8 @@
 # Not yet run, in order of need: 25 (the GPU tests of the defaults changed after runs
 # 59-60, and those run 61 did not reach), 26 (ping-pong under causal masks; the backward
 # configs at T 4096), 27 (ncu of the backward's XLA work around its kernel, ours and JAX
-# cuDNN's), 23 (the GPU suite's other half: MoE, parallel, SSM), then 12's
+# cuDNN's), 23 (the GPU suite's other half: MoE, parallel, SSM), 28 (decoding on the
+# H100 beside its peers), then 12's
 # parts that runs 44-47 did not reach (SoftCap causal), 11, 15.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13.
 set -u
@@ -39,7 +40,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 27}" in
+case "${1:?stage 1 to 28}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -313,6 +314,12 @@ case "${1:?stage 1 to 27}" in
     step 200 ncu env NCU_LIMIT=180 NCU_KERNELS='regex:mosaic_gpu|fusion|cudnn|fmha|sdpa' \
       bash bench/ncu.sh "$out" attention_fusions bench.attention_work --launch 1 mosaic \
       jax.nn-cudnn
+    ;;
+  28)
+    # Decoding on the H100 (no rows yet: runs 31-32 were the H200's), Lq 1 / 16 over 32k
+    # and 131k keys beside JAX's and torch's cuDNN and torch's flash.
+    suite 400 decode --suite decode --seq 32768 131072 --set q_len=1,16 \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
