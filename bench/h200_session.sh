@@ -9,8 +9,8 @@
 # 59-60, and those run 61 did not reach), 26 (ping-pong under causal masks; the backward
 # configs at T 4096), 27 (ncu of the backward's XLA work around its kernel, ours and JAX
 # cuDNN's), 23 (the GPU suite's other half: MoE, parallel, SSM), 28 (decoding on the
-# H100 beside its peers), then 12's
-# parts that runs 44-47 did not reach (SoftCap causal), 11, 15.
+# H100 beside its peers), then 12's parts that runs 44-47 did not reach (SoftCap
+# causal), 11, 15.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13.
 set -u
 out=${OUT:-.}
