@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import (
+    attention_kernel,
     classify,
     record,
     select_grid,
@@ -19,7 +20,7 @@ from bench.harness import (
     tokamax_peer,
     torch_attention,
 )
-from probjax_eqx import dot_product_attention, explain_attention, masks
+from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
 CHECK_ROWS = 128
@@ -204,11 +205,9 @@ def run(
                 message="",
             )
             try:
-                if name.startswith("probjax "):  # the kernel it runs: auto's choice
-                    row["kernel"] = explain_attention(
-                        q, k, v, mask=masks.Causal() if causal else None,
-                        implementation=name.split()[1],
-                    ).kernel  # fmt: skip
+                if name.startswith("probjax "):
+                    mask = masks.Causal() if causal else None
+                    attention_kernel(row, name.split()[1], q, k, v, mask)
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
                 out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats)

@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, select_grid, time_fn, tokamax_peer, torch_attention
+from bench.harness import (
+    attention_kernel,
+    classify,
+    select_grid,
+    time_fn,
+    tokamax_peer,
+    torch_attention,
+)
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -176,6 +183,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 dtype="bfloat16", status="ok", message="",
             )  # fmt: skip
             try:
+                if name.startswith("probjax "):
+                    kv_mask = None if lengths is None else masks.KVLengths(lengths)
+                    attention_kernel(row, name.split()[1], q, k, v, kv_mask)
                 is_torch = name in torch_impls
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]

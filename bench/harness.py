@@ -157,6 +157,14 @@ def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: 
         row.update(status="error", message=f"output differs from {against}: {err:.3g}")
 
 
+def attention_kernel(row: dict, implementation: str, q, k, v, mask) -> None:
+    """Name in `row` the kernel our attention `implementation` ("auto", ...) runs on these
+    operands (`explain_attention`: auto's choice), for the report to show beside it."""
+    from probjax_eqx import explain_attention
+
+    row["kernel"] = explain_attention(q, k, v, mask=mask, implementation=implementation).kernel
+
+
 def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs=None,
                 overrides: dict | None = None) -> dict:  # fmt: skip
     """A suite's grid of cases: `--quick`'s or the full one, `--seq` and `--set` applied."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.attention_suite import CHECK_ROWS, FWD_ATOL
-from bench.harness import classify, record, select_grid, time_fn
+from bench.harness import attention_kernel, classify, record, select_grid, time_fn
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -65,6 +65,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 message="",
             )
             try:
+                attention_kernel(row, name, q, k, v, mask)
                 out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
                 record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL["bfloat16"])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row

@@ -91,6 +91,9 @@ def test_bench_quick_run_writes_rows(tmp_path):
         } <= set(row)
         if row["status"] == "ok":
             assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["max_abs_err"] < 2e-2
+        if row["suite"] in ("attention", "kv_lengths") and row["status"] == "ok":
+            # The kernel our call ran; on the CPU auto's priority list ends at XLA.
+            assert row["kernel"] == row["implementation"].split()[1].replace("auto", "xla")
 
 
 def test_train_dit_samples_approach_the_data(tmp_path):
