@@ -205,9 +205,7 @@ def run(
                 message="",
             )
             try:
-                if name.startswith("probjax "):
-                    mask = masks.Causal() if causal else None
-                    attention_kernel(row, name.split()[1], q, k, v, mask)
+                attention_kernel(row, q, k, v, masks.Causal() if causal else None)
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
                 out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats)

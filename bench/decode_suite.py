@@ -183,9 +183,8 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 dtype="bfloat16", status="ok", message="",
             )  # fmt: skip
             try:
-                if name.startswith("probjax "):
-                    kv_mask = None if lengths is None else masks.KVLengths(lengths)
-                    attention_kernel(row, name.split()[1], q, k, v, kv_mask)
+                kv_mask = None if lengths is None else masks.KVLengths(lengths)
+                attention_kernel(row, q, k, v, kv_mask)
                 is_torch = name in torch_impls
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]

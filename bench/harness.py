@@ -157,12 +157,16 @@ def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: 
         row.update(status="error", message=f"output differs from {against}: {err:.3g}")
 
 
-def attention_kernel(row: dict, implementation: str, q, k, v, mask) -> None:
-    """Name in `row` the kernel our attention `implementation` ("auto", ...) runs on these
-    operands (`explain_attention`: auto's choice), for the report to show beside it."""
+def attention_kernel(row: dict, q, k, v, mask) -> None:
+    """Name in `row` the kernel that our attention (`row["implementation"]` "probjax
+    auto", ...) runs on these operands (`explain_attention`: auto's choice), for the
+    report to show beside it; a peer's row is left as it is."""
     from probjax_eqx import explain_attention
 
-    row["kernel"] = explain_attention(q, k, v, mask=mask, implementation=implementation).kernel
+    name = row["implementation"]
+    if name.startswith("probjax "):
+        implementation = name.removeprefix("probjax ")
+        row["kernel"] = explain_attention(q, k, v, mask=mask, implementation=implementation).kernel
 
 
 def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs=None,

@@ -65,7 +65,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 message="",
             )
             try:
-                attention_kernel(row, name, q, k, v, mask)
+                attention_kernel(row, q, k, v, mask)
                 out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
                 record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL["bfloat16"])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
