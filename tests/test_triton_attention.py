@@ -154,6 +154,8 @@ def test_config_validation():
         TritonAttentionConfig(block_q=24)
     with pytest.raises(ValueError, match="num_warps=3"):
         TritonAttentionConfig(num_warps=3)
+    with pytest.raises(ValueError, match="num_splits_dq=0 must be >= 1"):
+        TritonAttentionConfig(num_splits_dq=0)
     with pytest.raises(Exception, match="triton_joint"):
         TritonAttentionConfig(backward_pass_impl="triton_joint")  # type: ignore[arg-type]
 
@@ -266,7 +268,9 @@ def test_backward_rule():
         )
 
 
-def test_score_mod_parameter_gradients(getkey):
+@pytest.mark.parametrize("dq_splits", [1, 3])
+def test_score_mod_parameter_gradients(getkey, dq_splits):
+    """Parameter gradients summed over the dQ kernel's programs, its keys split or not."""
     q, k, v = make_qkv(getkey(), q_len=20, kv_len=37)
     ct = jax.random.normal(getkey(), (2, 20, 4, 16))
     mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([37, 11]))
@@ -277,7 +281,8 @@ def test_score_mod_parameter_gradients(getkey):
         mod = biases.Compose((biases.ALiBi(slopes), biases.HeadScale(scales), biases.SoftCap(3.0)))
         return jnp.sum(attend(q, k, v, mask, mod) * ct)
 
-    triton = lambda q, k, v, m, s: run_triton(q, k, v, m, s, CFG)
+    config = dataclasses.replace(CFG, num_splits_dq=dq_splits)
+    triton = lambda q, k, v, m, s: run_triton(q, k, v, m, s, config)
     grads = jax.grad(lambda *a: loss(triton, *a), argnums=(0, 1, 2))(slopes, scales, q)
     oracle_fn = lambda q, k, v, m, s: oracle(q, k, v, m, s)
     expected = jax.grad(lambda *a: loss(oracle_fn, *a), argnums=(0, 1, 2))(slopes, scales, q)
@@ -294,10 +299,11 @@ def test_score_mod_parameter_gradients(getkey):
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
-    """Few queries over long KV: every split count, ragged and zero KV lengths, GQA packed."""
+    """Few queries over long KV: every split count (forward and dQ), ragged and zero KV
+    lengths, GQA packed."""
     q, k, v = make_qkv(getkey(), q_len=3, kv_len=150, q_heads=4, kv_heads=2, dtype=dtype)
     ct = jax.random.normal(getkey(), (2, 3, 4, 16))
-    config = dataclasses.replace(CFG, num_splits=splits, pack_gqa=pack)
+    config = dataclasses.replace(CFG, num_splits=splits, num_splits_dq=splits, pack_gqa=pack)
     mask = masks.KVLengths(jnp.array([0, 101]))  # one batch element sees no key at all
     out, grads = check(q, k, v, ct, mask, config=config)
     assert not np.any(np.asarray(out[0], np.float32))
@@ -348,7 +354,14 @@ def test_few_query_plan_splits_and_packs():
     assert triton_attention.split_count(64, 2048, rule, ragged=True) == 19  # 4.6 waves, 92% full
     train = AttentionCall(4, 4096, 4096, 8, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(train, h200)
-    assert cfg.num_splits == 1 and not cfg.pack_gqa
+    assert cfg.num_splits == cfg.num_splits_dq == 1 and not cfg.pack_gqa
+    # The dQ kernel's plan, by the same rule over its own grid: 16 programs (8 heads x 2
+    # tiles of 64 queries) over 65,536 keys take 15 splits (the H100's best was 16, run
+    # 72); 512 programs (64 sets x 4 heads x 2 tiles) over 4096 keys none (run 71).
+    cross = AttentionCall(1, 128, 65536, 8, 8, 128, 128, "bfloat16")
+    assert triton_attention.default_config(cross, h200).num_splits_dq == 15
+    sets = AttentionCall(64, 128, 4096, 4, 4, 32, 32, "bfloat16")
+    assert triton_attention.default_config(sets, h200).num_splits_dq == 1
     with pytest.raises(UnsupportedError, match="pack_gqa"):
         q, k, v = make_qkv(jax.random.key(0), q_heads=4, kv_heads=2)
         run_triton(q, k, v, masks.Causal(), config=dataclasses.replace(CFG, pack_gqa=True))
@@ -358,5 +371,5 @@ def test_split_kv_over_several_query_tiles_causal(getkey):
     """Splits of every query tile (the grid runs the last tile first) under a causal mask."""
     q, k, v = make_qkv(getkey(), q_len=40, kv_len=100, q_heads=2, kv_heads=2)
     ct = jax.random.normal(getkey(), (2, 40, 2, 16))
-    config = dataclasses.replace(CFG, num_splits=3)
+    config = dataclasses.replace(CFG, num_splits=3, num_splits_dq=3)
     check(q, k, v, ct, masks.Causal("bottom_right"), config=config)

@@ -57,7 +57,11 @@ def qkv(q_len=100, kv_len=129, heads=4, kv_heads=2, d=64, dtype=jnp.bfloat16):
 ATTENTION_CASES = {
     "causal_split": (dict(), masks.Causal(), None),
     "causal_fused": (dict(backward_pass_impl="triton_fused"), masks.Causal(), None),
-    "kv_lengths_split_kv": (dict(num_splits=3), masks.KVLengths(jnp.array([50, 129])), None),
+    "kv_lengths_split_kv": (
+        dict(num_splits=3, num_splits_dq=3),
+        masks.KVLengths(jnp.array([50, 129])),
+        None,
+    ),
     "window_softcap": (dict(), masks.LocalWindow(16, 16), biases.SoftCap(30.0)),
 }
 

@@ -5,12 +5,14 @@ in base 2 (`exp2`, the scale folded with log2(e)) and deferred normalisation (FA
 §3.1.1); the base-2 log-sum-exp is saved for the backward. Backward: FA2 Algorithm 2
 split in two kernels, one per key tile for dK/dV (looping over query tiles) and one per
 query tile for dQ (looping over key tiles), with `delta = rowsum(dO * O)` precomputed.
+Few query tiles over many keys split the keys of each tile over several programs in
+the forward (`num_splits`, merged by log-sum-exp) and in dQ (`num_splits_dq`, summed).
 
 Masks and score mods run inside the kernels through `kernels._tiles`; the key (query)
 tiles each program visits come from the mask's `kv_range` (`q_range`), computed per
 (batch element, tile) in the wrapper, so tiles a mask empties are neither loaded nor
 computed. GQA reads the KV head `h // groups` through the index maps (no repetition in
-memory); dK/dV are produced per query head and summed over each group. With
+memory); dK/dV are produced per query head, in float32 where a group sums them. With
 power-of-two head dims the forward reads the caller's q, k, v in place (masked loads of
 partial tiles, masked stores of o); otherwise, and for the backward, lengths and head
 dims that are not tile multiples are padded. Rows without a valid key give zeros (their
@@ -66,6 +68,8 @@ class TritonAttentionConfig:
         num_splits: split the keys of each query tile over this many forward programs
             (flash-decoding); their partial outputs merge exactly by log-sum-exp. For
             few queries over long KV, where query tiles alone leave the GPU idle.
+        num_splits_dq: the same for the split backward's dQ kernel: each split sums
+            its keys' share of dQ in float32, and the shares are added after it.
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
         interpret: run in Pallas interpret mode (CPU tests).
@@ -83,12 +87,14 @@ class TritonAttentionConfig:
     num_stages_bwd: int = 2
     backward_pass_impl: Literal["auto", "triton_split", "triton_fused"] = "auto"
     num_splits: int = 1
+    num_splits_dq: int = 1
     pack_gqa: bool = False
     interpret: bool = False
 
     def __post_init__(self):
-        if self.num_splits < 1:
-            raise ValueError(f"num_splits={self.num_splits} must be >= 1")
+        for field in ("num_splits", "num_splits_dq"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
         for field in (
             "block_q",
             "block_k",
@@ -176,7 +182,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     fine = any(t[0] in _TILE_SKIPPING for t in call.mask_terms) and d > 64
     # Short sequences do not need tiles longer than themselves.
     fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
-    pack, rows, heads = _query_rows(call)
+    pack, rows, _ = _query_rows(call)
     # One query tile of 16 rows per head (decoding) is bandwidth-bound: 128-key steps in
     # 3 stages, one program per SM by shared memory, read K/V fastest (H200 sweep, run
     # 16: 0.991 ms vs 1.009 for 64-key steps at batch 8, 131,072 keys, 8 KV heads).
@@ -196,9 +202,6 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # through dQ): with 32 x 256 float32 tiles the backward spilled, 359 ms fwd+bwd at
     # hd 256, T=4096 vs 51 ms (H200 sweep, run 26).
     step = 16 if itemsize == 4 and d > 128 else bwd
-    smem = smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages)
-    programs = call.batch * heads * -(-rows // block_q)
-    splits = _split_plan(call, device, programs, (block_q, block_k), smem)
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
@@ -209,10 +212,21 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         num_warps=4 if d <= 64 or fine else 8,
         num_warps_bwd=4,
         num_stages=stages,
-        num_splits=splits,
         pack_gqa=pack,
         interpret=not device.is_gpu,
     )
+    # The dQ kernel's grid is the forward's over its own query tiles: 8 heads of 128
+    # queries over 65,536 keys (16 programs) took 1.97 ms fwd+bwd unsplit, 0.56 with 16
+    # dQ splits; 64 x 4 heads over 4096 keys (512 programs) was fastest unsplit (H100,
+    # runs 71-73).
+    splits, splits_dq = (
+        _split_plan(call, device, (bq_, bk_), width, stages_)
+        for bq_, bk_, width, stages_ in (
+            (block_q, block_k, call.v_dim, stages),
+            (config.block_q_dq, config.block_k_dq, call.qk_dim, config.num_stages_bwd),
+        )
+    )
+    config = dataclasses.replace(config, num_splits=splits, num_splits_dq=splits_dq)
     return resolve_backward(config, call, device)
 
 
@@ -275,19 +289,23 @@ def _query_rows(call: AttentionCall) -> tuple[bool, int, int]:
     return False, call.q_len, call.q_heads
 
 
-def _split_plan(call: AttentionCall, device: DeviceInfo, programs: int, tiles, smem: int):
-    """`num_splits` for a forward grid of `programs` (`SPLIT_KV_RULES`).
+def _split_plan(call: AttentionCall, device: DeviceInfo, tiles, width: int, stages: int):
+    """Splits of the keys for a grid of `(block_q, block_k)` `tiles` (`SPLIT_KV_RULES`).
 
-    Each program holds `tiles` `(block_q, block_k)` and `smem` bytes of shared memory.
+    Its programs, one per query tile and head, pipeline `stages` key tiles and write
+    partials `width` columns wide: the forward's (`num_splits`) or dQ's (`num_splits_dq`).
     """
     rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
     block_q, block_k = tiles
+    itemsize = 4 if call.dtype == "float32" else 2
+    _, rows, heads = _query_rows(call)
+    programs = call.batch * heads * -(-rows // block_q)
+    smem = smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages)
     per_sm = int(max(1, min(rule["programs_per_sm"], rule["smem_per_sm"] // smem)))
     # One batch element's lengths leave its programs equal.
     ragged = call.batch > 1 and any(t[0] == "kv_lengths" for t in call.mask_terms)
-    itemsize = 4 if call.dtype == "float32" else 2
     kv_bytes = call.kv_len * (call.qk_dim + call.v_dim) * itemsize
-    partial_bytes = 8 * block_q * call.v_dim  # float32, written and read back
+    partial_bytes = 8 * block_q * width  # float32, written and read back
     most = int(rule["partial_share"] * kv_bytes // partial_bytes)
     kv_tiles = -(-call.kv_len // block_k)
     return split_count(programs, kv_tiles, rule, ragged=ragged, per_sm=per_sm, most=most)
@@ -419,6 +437,20 @@ def _load_operands(refs, kinds, *, q_tile, kv_tile):
     return values
 
 
+def _split_share(ranges, split, splits: int):
+    """Split `split`'s share of the key tiles `ranges` visits, `splits` shares in all.
+
+    Evenly split between the range's ends: with per-batch KV lengths every split of a
+    short row still gets work.
+    """
+    if splits == 1:
+        return ranges
+    lo, hi = ranges[0], ranges[3]
+    per = (hi - lo + splits - 1) // splits
+    first = lo + split * per
+    return tuple(jnp.clip(r, first, first + per) for r in ranges)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
     range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
@@ -442,13 +474,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
     else:
         ranges = tuple(ref[()] for ref in range_refs)
-    if splits > 1:
-        # This program's share of the tiles its row tile visits, split evenly: with
-        # per-batch KV lengths every split of a short row still gets work.
-        lo, hi = ranges[0], ranges[3]
-        per = (hi - lo + splits - 1) // splits
-        first = lo + (t % splits) * per
-        ranges = tuple(jnp.clip(r, first, first + per) for r in ranges)
+    ranges = _split_share(ranges, t % splits, splits)
 
     def body(j, carry, masked):
         acc, m, denom = carry
@@ -538,7 +564,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     range_refs, refs = refs[:4], refs[4:]
     op_refs, (dq_ref, *dparam_ref) = refs[:n_ops], refs[n_ops:]
     bq, bk = st.config.block_q_dq, st.config.block_k_dq
-    i = _flash.last_first(pl.program_id(0), st.q_pad // bq)
+    t, splits = pl.program_id(0), st.config.num_splits_dq
+    i = _flash.last_first(t // splits, st.q_pad // bq)
     h, b = pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
@@ -570,7 +597,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         return dq + plt.dot((d_modded * slope).astype(k.dtype), k), dparams
 
     init = (jnp.zeros(dq_ref.shape, jnp.float32), tuple(jnp.float32(0.0) for _ in st.param_slots))
-    dq, dparams = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
+    ranges = _split_share(tuple(ref[()] for ref in range_refs), t % splits, splits)
+    dq, dparams = _flash.tile_loop(ranges, body, init)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     if dparam_ref:
         lanes = jnp.arange(_PARAM_LANES, dtype=jnp.int32)
@@ -758,6 +786,10 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     fused = cfg.backward_pass_impl == "triton_fused"
     dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
     dq_acc = [jnp.zeros(q.shape, jnp.float32)] if fused else []
+
+    def dkv_dtype(dtype):  # float32 where query heads' shares are summed afterwards
+        return jnp.float32 if groups > 1 else dtype
+
     n_in = 6 + len(dkv_ranges) + len(operands)
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, build=build),
@@ -781,8 +813,8 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             *[dq_spec] * fused,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, d), jnp.float32),
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, d), dkv_dtype(k.dtype)),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, dv), dkv_dtype(v.dtype)),
             *[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * fused,
         ],
         input_output_aliases={n_in: 2} if fused else {},
@@ -791,21 +823,29 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         name="probjax_attention_triton_bwd_fused" if fused else "probjax_attention_triton_bwd_dkv",
     )(q, k, v, do, lse, delta, *dkv_ranges, *operands, *dq_acc)
     dk, dv_ = outs[:2]
-    # Per-query-head dK/dV, summed over the query heads sharing a KV head.
-    dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
-    dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
+    if groups > 1:  # per-query-head dK/dV, summed over the query heads sharing a KV head
+        dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
+        dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
     if fused:
         return outs[2].astype(q.dtype), dk, dv_, (None,) * len(operands)
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
     has_params = bool(st.param_slots)
-    tiles = st.q_pad // bq
+    n, tiles = cfg.num_splits_dq, st.q_pad // bq
 
-    def tile_of(i):
-        return _flash.last_first(i, tiles)
+    def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
+        return _flash.last_first(t // n, tiles)
 
+    if n == 1:
+        dq_spec = pl.BlockSpec((None, bq, None, d), lambda t, h, b: (b, tile_of(t), h, 0))
+        dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:  # float32 shares per split, added below
+        dq_spec = pl.BlockSpec(
+            (None, None, bq, None, d), lambda t, h, b: (t % n, b, tile_of(t), h, 0)
+        )
+        dq_shape = jax.ShapeDtypeStruct((n, *q.shape), jnp.float32)
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, build=build),
-        grid=(tiles, heads, batch),
+        grid=(tiles * n, heads, batch),
         in_specs=[
             pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
             pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
@@ -824,25 +864,25 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             ),  # fmt: skip
         ],
         out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
-            *[pl.BlockSpec((None, None, None, _PARAM_LANES), lambda i, h, b: (b, h, i, 0))]
+            dq_spec,
+            *[pl.BlockSpec((None, None, None, _PARAM_LANES), lambda t, h, b: (b, h, t, 0))]
             * has_params,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            *[jax.ShapeDtypeStruct((batch, heads, st.q_pad // bq, _PARAM_LANES), jnp.float32)]
+            dq_shape,
+            *[jax.ShapeDtypeStruct((batch, heads, tiles * n, _PARAM_LANES), jnp.float32)]
             * has_params,
         ],
         compiler_params=params,
         interpret=cfg.interpret,
         name="probjax_attention_triton_bwd_dq",
     )(q, k, v, do, lse, delta, *dq_ranges, *operands)
-    dq = outs[0]
+    dq = outs[0] if n == 1 else outs[0].sum(0).astype(q.dtype)
     dops: list = [None] * len(operands)
     if has_params:
         per_head = outs[1].sum(axis=(0, 2))  # [heads, lanes]
-        for n, slot in enumerate(st.param_slots):
-            dops[slot] = per_head[:, n].astype(operands[slot].dtype)
+        for lane, slot in enumerate(st.param_slots):
+            dops[slot] = per_head[:, lane].astype(operands[slot].dtype)
     return dq, dk, dv_, tuple(dops)
 
 
