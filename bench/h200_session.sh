@@ -40,7 +40,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 28}" in
+case "${1:?stage 1 to 29}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -320,6 +320,17 @@ case "${1:?stage 1 to 28}" in
     # and 131k keys beside JAX's and torch's cuDNN and torch's flash.
     suite 400 decode --suite decode --seq 32768 131072 --set q_len=1,16 \
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
+    ;;
+  29)
+    # The set-transformer's q 128 over 4096 keys at hd 32 (run 70: our Triton fwd+bwd
+    # 0.617 ms, torch cuDNN 0.435): dK/dV stored in bf16 when no GQA group sums them,
+    # and the dQ kernel's keys split over programs, beside torch cuDNN and our cuDNN.
+    step 100 sweep_dq_splits python3 -m bench.sweep_attention \
+      --out "$out/sweep_dq_splits.json" --implementation triton --seq 128 --kv-seq 4096 \
+      --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
+      '{"num_splits_dq": 2}' '{"num_splits_dq": 4}' '{"num_splits_dq": 8}'
+    suite 100 set_transformer --suite set_transformer --set elements=4096 \
+      --only "probjax auto" "probjax triton" "probjax cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
