@@ -107,7 +107,7 @@ class MosaicAttentionConfig:
             `overlap_softmax` the previous step's P @ V too), so that one runs its
             softmax while the other's products are on the tensor cores. `default_config`
             turns it on for the GPU with `overlap_softmax` and 24 TMA registers, except
-            for non-causal calls at hd <= 64 or T >= 16384 (`_pingpong`): run 47
+            at hd <= 64 or T >= 16384 (`_pingpong`): run 47
             (B4 H8 T4096 hd128, fwd) 0.530 ms, 0.565 with ping-pong alone (40 TMA
             registers), 0.571 with neither.
         named_turns: the ping-pong turns on two hardware named barriers (`bar.sync` /
@@ -500,15 +500,15 @@ def _launch_group(call: AttentionCall) -> int:
 
 
 def _pingpong(call: AttentionCall) -> bool:
-    """The GPU's `pingpong`: off where the intra-warpgroup overlap alone was faster.
+    """The GPU's `pingpong`: on for hd > 64 below T 16384, under every mask.
 
-    H100 run 59 (B4 H8 bf16 non-causal forward, `launch_group=1`, with / without): hd 128
-    0.475 / 0.484 ms at T 4096, 6.98 / 6.90 at T 16384 (run 63's sweep 7.18 / 6.83, run 54
-    7.02 / 6.83); hd 64 0.359 / 0.350 at T 4096, 5.28 / 4.98 at T 16384. Causal-like
-    masks keep it: not yet timed without it in this launch order.
+    There it was faster than the intra-warpgroup overlap alone. H100, B4 H8 bf16 forward,
+    with / without. Non-causal (run 59, `launch_group=1`): hd 128 0.475 / 0.484 ms at T
+    4096, 6.98 / 6.90 at T 16384 (run 63's sweep 7.18 / 6.83, run 54 7.02 / 6.83); hd 64
+    0.359 / 0.350 at T 4096, 5.28 / 4.98 at T 16384. Causal (run 65, the default launch
+    groups): hd 128 0.255 / 0.263 at T 4096, 3.489 / 3.486 at T 16384; hd 64 0.197 /
+    0.194 and 2.58 / 2.51.
     """
-    if _mask_names(call) & _UNEVEN_TILES:
-        return True
     return call.qk_dim > 64 and call.q_len < 16384
 
 
