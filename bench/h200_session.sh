@@ -5,13 +5,12 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 25 (the GPU tests of the defaults changed after runs
-# 59-60, and those run 61 did not reach), 26 (ping-pong under causal masks; the backward
-# configs at T 4096), 27 (ncu of the backward's XLA work around its kernel, ours and JAX
-# cuDNN's), 23 (the GPU suite's other half: MoE, parallel, SSM), 28 (decoding on the
-# H100 beside its peers), then 12's parts that runs 44-47 did not reach (SoftCap
-# causal), 11, 15.
-# Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13.
+# Not yet run, in order of need: 30 (the GPU tests of the Triton backward's split dQ
+# and of the causal ping-pong default; the backward's TMA registers again; JAX cuDNN's
+# fwd+bwd with and without XLA's command buffers), 15 (the set-transformer peers after
+# runs 71-73), 12's parts that runs 44-47 did not reach.
+# Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
+# 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -40,7 +39,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 29}" in
+case "${1:?stage 1 to 30}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -331,6 +330,30 @@ case "${1:?stage 1 to 29}" in
       '{"num_splits_dq": 2}' '{"num_splits_dq": 4}' '{"num_splits_dq": 8}'
     suite 100 set_transformer --suite set_transformer --set elements=4096 \
       --only "probjax auto" "probjax triton" "probjax cudnn" "torch sdpa cudnn"
+    ;;
+  30)
+    # The Triton backward's split dQ (runs 71-73) and the Mosaic forward's ping-pong off
+    # at hd 64 / T 16384 under causal masks (run 65) under their GPU tests.
+    step 260 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
+      bash -c 'mkdir -p $OUT; LIMIT=240 bash bench/gpu_tests.sh --durations=10 -k \
+        "triton or (mosaic_matches_oracle and causal)"; cat $OUT/gpu_tests_by_name.txt; \
+        cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
+    # Run 65's causal backward at T 4096 hd 128: 1.197 ms with the TMA warpgroup's 40
+    # registers, 1.162 with 24 (non-causal 2.065 / 2.077): twice more, hd 64 too.
+    for pass in 1 2; do
+      step 70 "sweep_bwd_registers_$pass" python3 -m bench.sweep_attention \
+        --out "$out/sweep_bwd_registers_$pass.json" --implementation mosaic --seq 4096 \
+        --head-dim 128 64 --causal 1 --part bwd --config '{}' \
+        '{"backward_memory_registers": 24}'
+    done
+    # JAX's cuDNN fwd+bwd (run 60: 2.00 ms at T 4096 hd 128) against the sum of its two
+    # kernels under ncu (run 66: 0.41 + 1.17 ms): XLA's command buffers off, then on.
+    for buffers in off on; do
+      flags=$([ $buffers = off ] && echo --xla_gpu_enable_command_buffer=)
+      step 80 "attention_buffers_$buffers" env XLA_FLAGS="$flags" python3 -m bench.run \
+        --suite attention --out "$out/attention_buffers_$buffers.json" --seq 4096 \
+        --set head_dim=128 --only "jax.nn cudnn" "torch sdpa cudnn" "probjax auto"
+    done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -102,13 +102,14 @@ def test_triton_matches_oracle_on_gpu(getkey, name, head_dim):
 
 @pytest.mark.parametrize("q_len, q_heads", [(1, 8), (3, 8), (16, 8), (1, 2)])
 def test_split_kv_decode_on_gpu(getkey, q_len, q_heads):
-    """Few queries over long ragged KV: the planned split-KV forward, packed GQA (or
-    plain MHA), reading the caller's operands (20,000 keys: a partial last tile)."""
+    """Few queries over long ragged KV: the planned split-KV forward and dQ, packed GQA
+    (or plain MHA), reading the caller's operands (20,000 keys: a partial last tile)."""
     mask = masks.KVLengths(jnp.array([20000, 1, 0, 7777]))
     q, k, v = make_qkv(getkey(), batch=4, q_len=q_len, kv_len=20000, q_heads=q_heads,
                        kv_heads=2, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     choice = explain_attention(q, k, v, mask=mask, implementation="triton")
     assert choice.config.num_splits > 1 and choice.config.pack_gqa == (q_heads > 2)
+    assert choice.config.num_splits_dq > 1
     ct = jax.random.normal(getkey(), q.shape)
     check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
 
