@@ -162,6 +162,24 @@ def test_triton_agrees_with_cudnn(getkey):
         assert np.all(np.abs(a - b) <= bound), np.max(np.abs(a - b) - bound)
 
 
+@pytest.mark.parametrize("q_heads", [8, 6], ids=["groups_4", "groups_3"])
+def test_triton_group_dkv_on_gpu(getkey, q_heads):
+    """GQA's dK/dV summed over each group inside one program per KV head (a block of 3
+    query heads is no power of two), under ALiBi, causal and ragged KV lengths."""
+    from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+    q, k, v = make_qkv(getkey(), batch=2, q_len=640, kv_len=700, q_heads=q_heads,
+                       kv_heads=2, qk_dim=64, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([700, 333]))
+    mod = biases.ALiBi(jnp.asarray(biases.alibi_slopes(q_heads)))
+    grouped = TritonAttentionConfig(group_dkv=True, backward_pass_impl="triton_split")
+    f = lambda q, k, v: flex_attention(
+        q, k, v, mask=mask, score_mod=mod, implementation="triton", config=grouped
+    )
+    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod, jit=True)
+
+
 def test_triton_fused_backward_and_alibi_on_gpu(getkey):
     from probjax_eqx import biases
     from probjax_eqx.kernels.triton.attention import TritonAttentionConfig

@@ -310,6 +310,32 @@ def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
     assert not np.any(np.asarray(grads[0][0], np.float32))
 
 
+@pytest.mark.parametrize("q_heads", [4, 6], ids=["groups_2", "groups_3"])
+def test_group_dkv(getkey, q_heads):
+    """dK/dV summed over a GQA group inside one program per KV head: per-head score mods
+    (ALiBi's slopes indexed by query head), causal and ragged KV lengths, in bf16."""
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=37, q_heads=q_heads, kv_heads=2,
+                       dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([37, 11]))
+    mod = biases.ALiBi(jnp.asarray(biases.alibi_slopes(q_heads)))
+    config = dataclasses.replace(CFG, group_dkv=True)
+    check(q, k, v, ct, mask, mod, config=config)
+    with pytest.raises(ValueError, match="group_dkv sums dK/dV in the split backward"):
+        dataclasses.replace(FUSED, group_dkv=True)
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    a100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
+    square = AttentionCall(2, 256, 256, 8, 2, 64, 64, "bfloat16")
+    grouped = TritonAttentionConfig(group_dkv=True)
+    assert triton_attention.resolve_backward(grouped, square, a100).backward_pass_impl == (
+        "triton_split"
+    )  # where "auto" would fuse
+    assert triton_attention.resolve_backward(CFG, square, a100).backward_pass_impl == (
+        "triton_fused"
+    )
+    assert not triton_attention.default_config(square, h200).group_dkv  # not yet timed
+
+
 @pytest.mark.parametrize("q_heads, dim", [(6, 16), (4, 24)], ids=["groups_3", "dim_24"])
 def test_packed_gqa_through_padded_operands(getkey, q_heads, dim):
     """Packing that the direct forward cannot read (a group of 3, a head dim of 24): the

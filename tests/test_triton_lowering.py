@@ -78,6 +78,22 @@ def test_attention_kernels_lower(verified_modules, case):
     assert len(verified_modules) >= 2  # forward, and the backward's kernel(s)
 
 
+@pytest.mark.parametrize("heads", [4, 6], ids=["groups_2", "groups_3"])
+def test_group_dkv_lowers(verified_modules, heads):
+    """One dK/dV program per KV head, its query heads a block of 2 or 3 (not a power of
+    two: only single heads are loaded from it), ALiBi's slopes indexed per query head."""
+    config = triton_attention.TritonAttentionConfig(
+        group_dkv=True, backward_pass_impl="triton_split"
+    )
+    mod = biases.ALiBi(jnp.asarray(biases.alibi_slopes(heads)))
+    f = functools.partial(
+        triton_attention.flash_attention, mask=masks.Causal(), score_mod=mod, scale=0.125,
+        config=config,
+    )  # fmt: skip
+    lower_for_gpu(value_and_grads(f, (0, 1, 2)), *qkv(heads=heads))
+    assert len(verified_modules) == 3  # forward, dK/dV, dQ
+
+
 def test_packed_gqa_decode_lowers(verified_modules):
     config = triton_attention.TritonAttentionConfig(block_q=16, pack_gqa=True, num_splits=4)
     f = functools.partial(

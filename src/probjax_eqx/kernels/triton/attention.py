@@ -70,6 +70,9 @@ class TritonAttentionConfig:
             few queries over long KV, where query tiles alone leave the GPU idle.
         num_splits_dq: the same for the split backward's dQ kernel: each split sums
             its keys' share of dQ in float32, and the shares are added after it.
+        group_dkv: with GQA, one dK/dV program per KV head sums its query heads' shares
+            as it loops over them (split backward only), where otherwise each query
+            head's dK/dV is written in float32 and the group summed afterwards.
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
         interpret: run in Pallas interpret mode (CPU tests).
@@ -88,6 +91,7 @@ class TritonAttentionConfig:
     backward_pass_impl: Literal["auto", "triton_split", "triton_fused"] = "auto"
     num_splits: int = 1
     num_splits_dq: int = 1
+    group_dkv: bool = False
     pack_gqa: bool = False
     interpret: bool = False
 
@@ -116,6 +120,11 @@ class TritonAttentionConfig:
             raise ValueError(
                 f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto', "
                 "'triton_split' or 'triton_fused'"
+            )
+        if self.group_dkv and self.backward_pass_impl == "triton_fused":
+            raise ValueError(
+                "group_dkv sums dK/dV in the split backward's dK/dV kernel: the fused "
+                "backward's dQ atomics index one query head a program"
             )
 
 
@@ -163,7 +172,8 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
     impl = config.backward_pass_impl
     if impl == "auto":
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
-        fused = rule != "triton_split" and _fused_refusal(call, device) is None
+        fused = rule != "triton_split" and not config.group_dkv
+        fused = fused and _fused_refusal(call, device) is None
         impl = "triton_fused" if fused else "triton_split"
     return dataclasses.replace(config, backward_pass_impl=impl)
 
@@ -424,11 +434,16 @@ def _rebuilders(st: _Static, rebuild_mask, rebuild_mod):
     return build
 
 
-def _load_operands(refs, kinds, *, q_tile, kv_tile):
-    """Values of the mask/score-mod operands for the current tiles (see `_tiles`)."""
+def _load_operands(refs, kinds, *, q_tile, kv_tile, head=None):
+    """Values of the mask/score-mod operands for the current tiles (see `_tiles`).
+
+    `head`: the query head within the program's block of heads (`group_dkv`).
+    """
     values = []
     for ref, kind in zip(refs, kinds):
-        if kind in ("batch", "head"):
+        if kind == "head" and head is not None:
+            values.append(ref[head])
+        elif kind in ("batch", "head"):
             values.append(ref[()])
         elif kind == "q_pos":
             values.append(ref[...] if q_tile is None else ref[q_tile])
@@ -524,34 +539,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     fused = st.config.backward_pass_impl == "triton_fused"
     op_refs, outs = refs[:n_ops], refs[n_ops + fused :]
     dk_ref, dv_ref = outs[:2]
-    j, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dkv, st.config.block_k_dkv
     k, v = k_ref[...], v_ref[...]
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    # With `group_dkv` the program's KV head `head` loops over its query heads.
+    groups = st.call.groups if st.config.group_dkv else 1
 
-    def body(i, carry, masked):
-        dk, dv = carry
-        start = pl.multiple_of(i * bq, bq)
-        tile = pl.ds(start, bq)
-        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=tile, kv_tile=None))
-        q, do = q_ref[tile, :], do_ref[tile, :]
-        q_idx = start + jnp.arange(bq, dtype=jnp.int32)[:, None]
-        raw = plt.dot(q, k, trans_b=True)
-        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
-        p = jnp.exp2(s - lse_ref[tile][:, None])
-        dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True)
-        dp = plt.dot(do, v, trans_b=True)
-        ds = p * (dp - delta_ref[tile][:, None]) * slope
-        dk = dk + plt.dot(ds.astype(q.dtype), q, trans_a=True)
-        if fused:  # every key tile adds its share of dQ
-            dq_ref = outs[2]
-            plt.atomic_add(
-                dq_ref, (tile, pl.ds(0, dq_ref.shape[1])), plt.dot(ds.astype(k.dtype), k)
+    def head_body(g, carry):
+        h = head * groups + g
+        at = (lambda ref, tile: ref[tile, g, :]) if groups > 1 else (lambda ref, tile: ref[tile, :])
+        row = (lambda ref, tile: ref[g, tile]) if groups > 1 else (lambda ref, tile: ref[tile])
+
+        def body(i, carry, masked):
+            dk, dv = carry
+            start = pl.multiple_of(i * bq, bq)
+            tile = pl.ds(start, bq)
+            values = _load_operands(
+                op_refs, st.kinds, q_tile=tile, kv_tile=None, head=g if groups > 1 else None
             )
-        return dk, dv
+            mask, mod = build(values)
+            q, do = at(q_ref, tile), at(do_ref, tile)
+            q_idx = start + jnp.arange(bq, dtype=jnp.int32)[:, None]
+            raw = plt.dot(q, k, trans_b=True)
+            s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
+            p = jnp.exp2(s - row(lse_ref, tile)[:, None])
+            dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True)
+            dp = plt.dot(do, v, trans_b=True)
+            ds = p * (dp - row(delta_ref, tile)[:, None]) * slope
+            dk = dk + plt.dot(ds.astype(q.dtype), q, trans_a=True)
+            if fused:  # every key tile adds its share of dQ
+                dq_ref = outs[2]
+                plt.atomic_add(
+                    dq_ref, (tile, pl.ds(0, dq_ref.shape[1])), plt.dot(ds.astype(k.dtype), k)
+                )
+            return dk, dv
+
+        return _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, carry)
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk, dv = _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, init)
+    dk, dv = head_body(0, init) if groups == 1 else jax.lax.fori_loop(0, groups, head_body, init)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -612,17 +639,20 @@ def _same(t):
     return t
 
 
-def _operand_specs(kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, tile_of=_same):
+def _operand_specs(
+    kinds, *, seq_role: str, block: int, q_pad: int, kv_pad: int, tile_of=_same, heads: int = 1
+):
     """BlockSpecs for the mask operands, for a grid (grid row, head, batch).
 
-    `tile_of(row)` is the tile of the program's own axis that grid row `row` works on.
+    `tile_of(row)` is the tile of the program's own axis that grid row `row` works on;
+    `heads`: query heads a program works on (`group_dkv`), a block of per-head values.
     """
     specs = []
     for kind in kinds:
         if kind == "batch":
             specs.append(pl.BlockSpec((None,), lambda t, h, b: (b,)))
         elif kind == "head":
-            specs.append(pl.BlockSpec((None,), lambda t, h, b: (h,)))
+            specs.append(pl.BlockSpec((None,) if heads == 1 else (heads,), lambda t, h, b: (h,)))
         elif kind == seq_role:  # the program's own tile
             specs.append(pl.BlockSpec((None, block), lambda t, h, b: (b, tile_of(t))))
         else:  # the looped axis: the whole row, sliced per step
@@ -787,23 +817,40 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
     dq_acc = [jnp.zeros(q.shape, jnp.float32)] if fused else []
 
-    def dkv_dtype(dtype):  # float32 where query heads' shares are summed afterwards
-        return jnp.float32 if groups > 1 else dtype
+    # One program per query head (float32 dK/dV where a group's are summed afterwards),
+    # or per KV head looping over its group's query heads (`group_dkv`).
+    sums = groups > 1 and not cfg.group_dkv
+    g = groups if cfg.group_dkv else 1  # query heads a program works on
+    dkv_heads = heads // g
 
+    def dkv_dtype(dtype):
+        return jnp.float32 if sums else dtype
+
+    def kv_head(h):  # the KV head of a program's (first) query head
+        return h * g // groups
+
+    def rows_spec(c):  # query rows of the program's query heads
+        if g == 1:
+            return pl.BlockSpec((None, st.q_pad, None, c), lambda j, h, b: (b, 0, h, 0))
+        return pl.BlockSpec((None, st.q_pad, g, c), lambda j, h, b: (b, 0, h, 0))
+
+    stats_spec = pl.BlockSpec(
+        (None, None, st.q_pad) if g == 1 else (None, g, st.q_pad), lambda j, h, b: (b, h, 0)
+    )
     n_in = 6 + len(dkv_ranges) + len(operands)
     outs = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, build=build),
-        grid=(st.kv_pad // bk, heads, batch),
+        grid=(st.kv_pad // bk, dkv_heads, batch),
         in_specs=[
-            pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0)),
-            pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h // groups, 0)),
-            pl.BlockSpec((None, bk, None, dv), lambda j, h, b: (b, j, h // groups, 0)),
-            pl.BlockSpec((None, st.q_pad, None, dv), lambda j, h, b: (b, 0, h, 0)),
-            pl.BlockSpec((None, None, st.q_pad), lambda j, h, b: (b, h, 0)),
-            pl.BlockSpec((None, None, st.q_pad), lambda j, h, b: (b, h, 0)),
+            rows_spec(d),
+            pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, kv_head(h), 0)),
+            pl.BlockSpec((None, bk, None, dv), lambda j, h, b: (b, j, kv_head(h), 0)),
+            rows_spec(dv),
+            stats_spec,
+            stats_spec,
             *_range_specs(),
             *_operand_specs(
-                st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad
+                st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, heads=g
             ),
             *[dq_spec] * fused,
         ],
@@ -813,8 +860,8 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             *[dq_spec] * fused,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, d), dkv_dtype(k.dtype)),
-            jax.ShapeDtypeStruct((batch, st.kv_pad, heads, dv), dkv_dtype(v.dtype)),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, d), dkv_dtype(k.dtype)),
+            jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, dv), dkv_dtype(v.dtype)),
             *[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * fused,
         ],
         input_output_aliases={n_in: 2} if fused else {},
@@ -823,7 +870,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         name="probjax_attention_triton_bwd_fused" if fused else "probjax_attention_triton_bwd_dkv",
     )(q, k, v, do, lse, delta, *dkv_ranges, *operands, *dq_acc)
     dk, dv_ = outs[:2]
-    if groups > 1:  # per-query-head dK/dV, summed over the query heads sharing a KV head
+    if sums:  # per-query-head dK/dV, summed over the query heads sharing a KV head
         dk = dk.reshape(batch, st.kv_pad, kv_heads, groups, d).sum(3).astype(k.dtype)
         dv_ = dv_.reshape(batch, st.kv_pad, kv_heads, groups, dv).sum(3).astype(v.dtype)
     if fused:
