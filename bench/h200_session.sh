@@ -7,8 +7,9 @@
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 30 (the GPU tests of the Triton backward's split dQ
 # and of the causal ping-pong default; the backward's TMA registers again; JAX cuDNN's
-# fwd+bwd with and without XLA's command buffers), 15 (the set-transformer peers after
-# runs 71-73), 12's parts that runs 44-47 did not reach.
+# fwd+bwd with and without XLA's command buffers), 31 (GQA's dK/dV summed inside the
+# Triton backward: its GPU tests and timing), 15 (the set-transformer peers after runs
+# 71-73), 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29.
 set -u
@@ -39,7 +40,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 30}" in
+case "${1:?stage 1 to 31}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -354,6 +355,18 @@ case "${1:?stage 1 to 30}" in
         --suite attention --out "$out/attention_buffers_$buffers.json" --seq 4096 \
         --set head_dim=128 --only "jax.nn cudnn" "torch sdpa cudnn" "probjax auto"
     done
+    ;;
+  31)
+    # GQA's dK/dV summed in one Triton program per KV head (`group_dkv`, off until this
+    # times it) under its GPU tests, then fwd+bwd with and without, 32 query heads over 8.
+    step 150 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
+      bash -c 'mkdir -p $OUT; LIMIT=130 bash bench/gpu_tests.sh -k "group_dkv"; \
+        cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+        tail -25 $OUT/gpu_tests.txt'
+    step 250 sweep_group_dkv python3 -m bench.sweep_attention \
+      --out "$out/sweep_group_dkv.json" --implementation triton --seq 4096 \
+      --head-dim 128 64 --batch 2 --heads 32 --kv-heads 8 --causal 0 1 --part bwd \
+      --config '{}' '{"group_dkv": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

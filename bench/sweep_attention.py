@@ -167,6 +167,7 @@ def main():
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, help="KV heads, for GQA (default: --heads)")
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: each --seq)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--softcap", type=float, help="a SoftCap score mod of this cap")
@@ -186,8 +187,8 @@ def _sweep(args, seq, kv_seq, writer):
         keys = jax.random.split(jax.random.key(0), 4)
         shape = (args.batch, seq, args.heads, d)
         q = jax.random.normal(keys[0], shape, args.dtype)
-        k, v = (jax.random.normal(kk, (args.batch, kv_seq, args.heads, d), args.dtype)
-                for kk in keys[1:3])  # fmt: skip
+        kv_shape = (args.batch, kv_seq, args.kv_heads or args.heads, d)
+        k, v = (jax.random.normal(kk, kv_shape, args.dtype) for kk in keys[1:3])
         ct = jax.random.normal(keys[3], q.shape, jnp.float32)
         mod = None if args.softcap is None else biases.SoftCap(args.softcap)
         configs = _configs(args.implementation, args.dtype == "float32")
@@ -203,6 +204,7 @@ def _sweep(args, seq, kv_seq, writer):
                     implementation=args.implementation,
                     batch=args.batch,
                     heads=args.heads,
+                    kv_heads=args.kv_heads or args.heads,
                     seq=seq,
                     kv_seq=kv_seq,
                     head_dim=d,
