@@ -340,6 +340,11 @@ class _Static:
     def ctx(self) -> MaskContext:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
+    @property
+    def dkv_heads_a_program(self) -> int:
+        """Query heads one dK/dV program loops over: a GQA group with `group_dkv`."""
+        return self.call.groups if self.config.group_dkv else 1
+
 
 @dataclasses.dataclass(frozen=True)
 class _Rows:
@@ -544,7 +549,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     k, v = k_ref[...], v_ref[...]
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
     # With `group_dkv` the program's KV head `head` loops over its query heads.
-    groups = st.call.groups if st.config.group_dkv else 1
+    groups = st.dkv_heads_a_program
 
     def head_body(g, carry):
         h = head * groups + g
@@ -819,8 +824,8 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
 
     # One program per query head (float32 dK/dV where a group's are summed afterwards),
     # or per KV head looping over its group's query heads (`group_dkv`).
-    sums = groups > 1 and not cfg.group_dkv
-    g = groups if cfg.group_dkv else 1  # query heads a program works on
+    g = st.dkv_heads_a_program
+    sums = groups > g
     dkv_heads = heads // g
 
     def dkv_dtype(dtype):
