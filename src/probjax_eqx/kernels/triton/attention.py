@@ -229,14 +229,12 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # queries over 65,536 keys (16 programs) took 1.97 ms fwd+bwd unsplit, 0.56 with 16
     # dQ splits; 64 x 4 heads over 4096 keys (512 programs) was fastest unsplit (H100,
     # runs 71-73).
-    splits, splits_dq = (
-        _split_plan(call, device, (bq_, bk_), width, stages_)
-        for bq_, bk_, width, stages_ in (
-            (block_q, block_k, call.v_dim, stages),
-            (config.block_q_dq, config.block_k_dq, call.qk_dim, config.num_stages_bwd),
-        )
+    dq_tiles = (config.block_q_dq, config.block_k_dq)
+    config = dataclasses.replace(
+        config,
+        num_splits=_split_plan(call, device, (block_q, block_k), call.v_dim, stages),
+        num_splits_dq=_split_plan(call, device, dq_tiles, call.qk_dim, config.num_stages_bwd),
     )
-    config = dataclasses.replace(config, num_splits=splits, num_splits_dq=splits_dq)
     return resolve_backward(config, call, device)
 
 
