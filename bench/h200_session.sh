@@ -335,8 +335,8 @@ case "${1:?stage 1 to 31}" in
   30)
     # The Triton backward's split dQ (runs 71-73) and the Mosaic forward's ping-pong off
     # at hd 64 / T 16384 under causal masks (run 65) under their GPU tests.
-    step 260 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
-      bash -c 'mkdir -p $OUT; LIMIT=240 bash bench/gpu_tests.sh --durations=10 -k \
+    step 250 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
+      bash -c 'mkdir -p $OUT; LIMIT=230 bash bench/gpu_tests.sh --durations=10 -k \
         "triton or (mosaic_matches_oracle and causal)"; cat $OUT/gpu_tests_by_name.txt; \
         cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
     # Run 65's causal backward at T 4096 hd 128: 1.197 ms with the TMA warpgroup's 40
@@ -348,12 +348,14 @@ case "${1:?stage 1 to 31}" in
         '{"backward_memory_registers": 24}'
     done
     # JAX's cuDNN fwd+bwd (run 60: 2.00 ms at T 4096 hd 128) against the sum of its two
-    # kernels under ncu (run 66: 0.41 + 1.17 ms): XLA's command buffers off, then on.
+    # kernels under ncu (run 66: 0.41 + 1.17 ms): XLA's command buffers off, then on;
+    # our Mosaic kernel beside it (causal: the route `auto` should take).
     for buffers in off on; do
       flags=$([ $buffers = off ] && echo --xla_gpu_enable_command_buffer=)
-      step 80 "attention_buffers_$buffers" env XLA_FLAGS="$flags" python3 -m bench.run \
+      step 90 "attention_buffers_$buffers" env XLA_FLAGS="$flags" python3 -m bench.run \
         --suite attention --out "$out/attention_buffers_$buffers.json" --seq 4096 \
-        --set head_dim=128 --only "jax.nn cudnn" "torch sdpa cudnn" "probjax auto"
+        --set head_dim=128 dtype=bfloat16 \
+        --only "jax.nn cudnn" "torch sdpa cudnn" "probjax auto" "probjax mosaic"
     done
     ;;
   31)
