@@ -6,7 +6,7 @@ import pytest
 
 from _attention_cases import numpy_attention
 from _tolerance import assert_close
-from probjax_eqx import Attention, UnsupportedError, masks
+from probjax_eqx import ISAB, MLA, RLA, SAB, Attention, Mamba2, UnsupportedError, masks
 from probjax_eqx.attention import rope
 
 
@@ -210,3 +210,41 @@ def test_train_step_reruns_are_bitwise_identical(getkey, name):
     first, second = (jax.tree.leaves(step(module, x)) for _ in range(2))
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
+
+
+# Every sequence block as a user stacks it: layers built under eqx.filter_vmap, run by
+# jax.lax.scan over their parameters, differentiated under jax.jit.
+STACKABLE = {
+    "mla": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=4, v_dim=8, key=k),
+    "rla": lambda k: RLA(16, 2, window=3, chunk=4, key=k),
+    "mamba2": lambda k: Mamba2(16, d_state=8, head_dim=8, chunk=4, key=k),
+    "sab": lambda k: SAB(16, 2, key=k),
+    "isab": lambda k: ISAB(16, 2, 3, key=k),
+}
+
+
+@pytest.mark.parametrize("name", STACKABLE)
+def test_scan_over_layers_equals_the_loop(getkey, name):
+    """Forward and parameter gradients of three scanned layers equal the unrolled loop's."""
+    layers = eqx.filter_vmap(STACKABLE[name])(jax.random.split(getkey(), 3))
+    params, static = eqx.partition(layers, eqx.is_array)
+    x = jax.random.normal(getkey(), (7, 16))
+
+    def scanned(params):
+        def body(h, p):
+            return h + eqx.combine(p, static)(h), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+    def unrolled(params):
+        h = x
+        for i in range(3):
+            h = h + eqx.combine(jax.tree.map(lambda p, i=i: p[i], params), static)(h)
+        return h
+
+    loss = lambda f: lambda p: jnp.mean(f(p) ** 2)  # noqa: E731
+    assert_close(jax.jit(scanned)(params), jax.jit(unrolled)(params), jnp.float32)
+    got = jax.jit(jax.grad(loss(scanned)))(params)
+    want = jax.jit(jax.grad(loss(unrolled)))(params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, jnp.float32, grad=True)
