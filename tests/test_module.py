@@ -248,3 +248,31 @@ def test_scan_over_layers_equals_the_loop(getkey, name):
     want = jax.jit(jax.grad(loss(unrolled)))(params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close(g, w, jnp.float32, grad=True)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_rematerialised_layers_give_the_same_gradients(getkey, implementation):
+    """Layers under eqx.filter_checkpoint (recomputed in the backward, as users train deep
+    stacks) give the gradients of the plain stack, our kernels' custom VJPs included."""
+    from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+
+    config = TritonAttentionConfig(interpret=True) if implementation == "triton" else None
+    layers = eqx.filter_vmap(
+        lambda k: Attention(
+            16, 4, num_kv_heads=2, implementation=implementation, config=config, key=k
+        )
+    )(jax.random.split(getkey(), 2))
+    params, static = eqx.partition(layers, eqx.is_array)
+    x = jax.random.normal(getkey(), (9, 16))
+
+    def loss(params, remat):
+        def layer(h, p):
+            return h + eqx.combine(p, static)(h, mask=masks.Causal())
+
+        body = eqx.filter_checkpoint(layer) if remat else layer
+        return jnp.mean(jax.lax.scan(lambda h, p: (body(h, p), None), x, params)[0] ** 2)
+
+    got = jax.jit(jax.grad(loss), static_argnums=1)(params, True)
+    want = jax.jit(jax.grad(loss), static_argnums=1)(params, False)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, jnp.float32, grad=True)
