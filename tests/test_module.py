@@ -6,7 +6,7 @@ import pytest
 
 from _attention_cases import numpy_attention
 from _tolerance import assert_close
-from probjax_eqx import ISAB, MLA, RLA, SAB, Attention, Mamba2, UnsupportedError, masks
+from probjax_eqx import ISAB, MLA, RLA, SAB, Attention, Mamba, Mamba2, UnsupportedError, masks
 from probjax_eqx.attention import rope
 
 
@@ -276,3 +276,42 @@ def test_rematerialised_layers_give_the_same_gradients(getkey, implementation):
     want = jax.jit(jax.grad(loss), static_argnums=1)(params, False)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close(g, w, jnp.float32, grad=True)
+
+
+INPUT_CHECKED = {
+    "Attention": lambda k: Attention(16, 4, key=k),
+    "MLA": lambda k: MLA(16, 2, kv_lora_rank=8, nope_dim=8, rope_dim=4, v_dim=8, key=k),
+    "RLA": lambda k: RLA(16, 2, window=3, chunk=4, key=k),
+    "Mamba": lambda k: Mamba(16, d_state=4, key=k),
+    "Mamba2": lambda k: Mamba2(16, d_state=8, head_dim=8, chunk=4, key=k),
+    "MAB": lambda k: SAB(16, 2, key=k),  # its MAB checks the input
+}
+
+
+@pytest.fixture
+def without_boundary_checks():
+    """As in production: the jaxtyping / beartype boundary checks of the tests off."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.mark.parametrize("name", INPUT_CHECKED)
+def test_a_batched_or_misshaped_input_is_refused_with_the_fix(
+    getkey, name, without_boundary_checks
+):
+    """The unbatched modules name the shape they take, and for a leading batch axis
+    point to jax.vmap, instead of failing deep inside on a matmul or reshape."""
+    module = INPUT_CHECKED[name](getkey())
+    takes = rf"^{name} takes x of shape "
+    batch = r"; the leading axis looks like a batch: .* jax.vmap$"
+    with pytest.raises(ValueError, match=takes + r"\[rows, 16\], got \(2, 9, 16\)" + batch):
+        module(jnp.zeros((2, 9, 16)))
+    with pytest.raises(ValueError, match=takes + r"\[rows, 16\], got \(9, 8\)$"):
+        module(jnp.zeros((9, 8)))
+    if hasattr(module, "decode_step"):
+        cache = module.init_cache(4) if name in ("Attention", "MLA") else module.init_cache()
+        with pytest.raises(ValueError, match=takes + r"\[16\], got \(1, 16\)" + batch):
+            module.decode_step(jnp.zeros((1, 16)), cache)

@@ -574,9 +574,11 @@ def test_dispatch_errors_name_the_reason(getkey):
     with pytest.raises(ValueError, match="top_k=5"):
         MoE(8, 8, num_experts=4, top_k=5, key=getkey())
     moe = MoE(16, 24, num_experts=4, key=getkey())
-    for shape in [(3, 15), (2, 3, 16)]:
-        with pytest.raises(ValueError, match=r"\[tokens, d_model\] with d_model=16"):
-            moe(jnp.zeros(shape))
+    expected = r"MoE takes x of shape \[16\] or \[rows, 16\], got "
+    with pytest.raises(ValueError, match=expected + r"\(3, 15\)$"):
+        moe(jnp.zeros((3, 15)))
+    with pytest.raises(ValueError, match=expected + r"\(2, 3, 16\); .* map it over the batch"):
+        moe(jnp.zeros((2, 3, 16)))
     for dispatch in ("triton", "fused_gsum"):
         moe = MoE(16, 24, num_experts=4, dispatch=dispatch, key=getkey())
         if jax.devices()[0].platform == "cpu":

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
+from probjax_eqx._inputs import check_width
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, Choice, register_op, register_regime, resolve
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
@@ -481,6 +482,9 @@ class Attention(eqx.Module):
         Returns:
             `[q_seq, output_dim]`.
         """
+        check_width("Attention", "x", x, self.query_proj.weight.shape[-1])
+        if context is not None:
+            check_width("Attention", "context", context, self.key_proj.weight.shape[-1])
         q, k, v = self._qkv(x, context)
         o = _run(q, k, v, mask, score_mod, self._scale, self.backend, self.config)
         return self._output(o, x)
@@ -502,6 +506,7 @@ class Attention(eqx.Module):
         Writes the prompt's keys and values at positions `[0, seq)` and sets the cache's
         length to `seq` (earlier contents are discarded). Equals `self(x, mask=Causal())`.
         """
+        check_width("Attention", "x", x, self.query_proj.weight.shape[-1])
         check_prompt_fits(x.shape[0], cache.keys.shape[0])
         q, k, v = self._qkv(x, None)
         o = _run(q, k, v, Causal(), None, self._scale, self.backend, self.config)
@@ -521,6 +526,7 @@ class Attention(eqx.Module):
         cache buffer with `KVLengths`: on a GPU it runs the split-KV kernel. With the
         cache full (`max_len` tokens before this one) the output is NaN.
         """
+        check_width("Attention", "x", x, self.query_proj.weight.shape[-1], ranks=(1,))
         position = cache.length
         q, k, v = self._qkv(x[None], None, positions=position[None])
         put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
@@ -613,6 +619,8 @@ class MAB(eqx.Module):
         *,
         y_size: Int[ArrayLike, ""] | None = None,
     ) -> Float[Array, "n dim"]:
+        check_width("MAB", "x", x, self.norm_x.shape[-1])
+        check_width("MAB", "y", y, self.norm_y.shape[-1])
         ln = lambda norm, a: jax.vmap(norm)(a)  # noqa: E731
         h = x + self.attention(ln(self.norm_x, x), ln(self.norm_y, y), mask=_set_mask(y_size))
         return h + self.feed_forward(ln(self.norm_h, h))

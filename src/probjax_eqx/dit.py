@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from probjax_eqx._inputs import check_width
 from probjax_eqx.attention import Attention
 
 
@@ -188,6 +189,7 @@ class DiffusionTransformer(eqx.Module):
         context: Float[Array, "m context"] | None = None,
     ) -> Float[Array, "tokens out_dim"]:
         """Predict (noise, velocity, ...) for tokens `x` at diffusion time `t`."""
+        check_width("DiffusionTransformer", "x", x, self.in_proj.weight.shape[-1])
         dtype = jnp.dtype(self.compute_dtype or x.dtype)
         h = jax.vmap(self.in_proj)(x)
         if self.positions is not None:

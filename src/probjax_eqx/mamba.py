@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from probjax_eqx import recurrence
+from probjax_eqx._inputs import check_width
 from probjax_eqx.backends import Backend, Choice, resolve
 from probjax_eqx.kernels.triton import ssm as triton_ssm
 
@@ -210,12 +211,14 @@ class Mamba(eqx.Module):
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         """The block over a whole sequence (from the zero state)."""
+        check_width("Mamba", "x", x, self.in_proj.shape[0])
         return self._forward(x, self.init_cache(x.dtype))[0]
 
     def decode_step(
         self, x: Float[Array, " d_model"], cache: MambaCache
     ) -> tuple[Float[Array, " d_model"], MambaCache]:
         """One token through the recurrence; equal to the matching row of `__call__`."""
+        check_width("Mamba", "x", x, self.in_proj.shape[0], ranks=(1,))
         y, cache = self._forward(x[None], cache)
         return y[0], cache
 
@@ -410,11 +413,13 @@ class Mamba2(eqx.Module):
         return y.astype(x.dtype) @ self.out_proj, Mamba2Cache(padded[seq:], h)
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        check_width("Mamba2", "x", x, self.in_proj.shape[0])
         return self._forward(x, self.init_cache(x.dtype))[0]
 
     def decode_step(
         self, x: Float[Array, " d_model"], cache: Mamba2Cache
     ) -> tuple[Float[Array, " d_model"], Mamba2Cache]:
         """One token through the recurrence; equal to the matching row of `__call__`."""
+        check_width("Mamba2", "x", x, self.in_proj.shape[0], ranks=(1,))
         y, cache = self._forward(x[None], cache)
         return y[0], cache

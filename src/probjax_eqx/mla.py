@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx import masks
+from probjax_eqx._inputs import check_width
 from probjax_eqx.attention import check_prompt_fits, flex_attention, nan_past_capacity, rope
 from probjax_eqx.backends import Backend, resolve
 
@@ -164,6 +165,7 @@ class MLA(eqx.Module):
         self, x: Float[Array, "seq d_model"], *, mask: masks.AbstractMask | None = None
     ) -> Float[Array, "seq d_model"]:
         """Training path: per-head keys and values from the latent (causal by default)."""
+        check_width("MLA", "x", x, self.w_o.shape[-1])
         seq = x.shape[0]
         mask = masks.Causal() if mask is None else mask
         positions = jnp.arange(seq)
@@ -226,6 +228,7 @@ class MLA(eqx.Module):
         self, x: Float[Array, "seq d_model"], cache: LatentCache
     ) -> tuple[Float[Array, "seq d_model"], LatentCache]:
         """Fill an empty cache with a prompt; returns the causal outputs and the cache."""
+        check_width("MLA", "x", x, self.w_o.shape[-1])
         max_len = cache.latent.shape[0]
         check_prompt_fits(x.shape[0], max_len)
         hq, ckv = self._down(x)
@@ -241,6 +244,7 @@ class MLA(eqx.Module):
 
         With the cache full (`max_len` tokens before this one) the output is NaN.
         """
+        check_width("MLA", "x", x, self.w_o.shape[-1], ranks=(1,))
         hq, ckv = self._down(x[None])
         positions, cache = self._append(ckv, cache)
         mask = masks.KVLengths(cache.length)

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from probjax_eqx._inputs import check_width
 from probjax_eqx._rows import (
     bin_counts,
     combine_rows,
@@ -927,12 +928,7 @@ class MoE(eqx.Module):
         self, x: Float[Array, "*tokens d_model"]
     ) -> tuple[Float[Array, "*tokens d_model"], MoEAux]:
         """Route `x` (one token `[d_model]` or `[tokens, d_model]`) through the experts."""
-        d_model = self.router.shape[0]
-        if x.ndim not in (1, 2) or x.shape[-1] != d_model:
-            raise ValueError(
-                f"expected x of shape [d_model] or [tokens, d_model] with d_model={d_model}, "
-                f"got {x.shape} (batch dims: flatten them, or jax.vmap)"
-            )
+        check_width("MoE", "x", x, self.router.shape[0], ranks=(1, 2))
         squeeze = x.ndim == 1
         xs = x[None] if squeeze else x
         experts, weights, aux = self.route(xs)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx import masks, recurrence
+from probjax_eqx._inputs import check_width
 from probjax_eqx.attention import dot_product_attention
 from probjax_eqx.backends import Backend, Choice, resolve
 from probjax_eqx.kernels.triton import ssm as triton_ssm
@@ -189,6 +190,7 @@ class RLA(eqx.Module):
         return o.reshape(o.shape[0], o.shape[1] * o.shape[2]).astype(dtype) @ self.w_o
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
+        check_width("RLA", "x", x, self.w_q.shape[0])
         q, k, v = self._qkv(x)
         window_mask = masks.causal_local_window(self.window)
         o_window = dot_product_attention(
@@ -223,6 +225,7 @@ class RLA(eqx.Module):
         self, x: Float[Array, " d_model"], cache: RLACache
     ) -> tuple[Float[Array, " d_model"], RLACache]:
         """One token; equal to the matching row of `__call__`."""
+        check_width("RLA", "x", x, self.w_q.shape[0], ranks=(1,))
         q, k, v = (a[0] for a in self._qkv(x[None]))
         t, slot = cache.position, cache.position % self.window
         # The key in this ring slot (position t - window) leaves the window now.

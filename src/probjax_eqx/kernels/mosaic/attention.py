@@ -1133,7 +1133,7 @@ class _Ring:
 
 
 def _backward_program(
-    ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1, shift=0
+    ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1, shift: Any = 0
 ):
     """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
 
