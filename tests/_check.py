@@ -1,4 +1,5 @@
-"""Shared checks: an attention implementation against the float32 oracle; row scatters."""
+"""Shared checks: an attention implementation against the float32 oracle; gradients of
+gradients against a reference; row scatters."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,26 @@ def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=Fals
         assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{name} not finite"
         assert_close(a, b, dtype, grad=True, tf32=tf32, err_msg=f"d{name}")
     return out, grads
+
+
+def check_gradients_of_gradients(f, reference, *args):
+    """A gradient penalty through `f` equals `reference`'s: value and gradients.
+
+    `|grad sin(f)|^2` as a function of every argument, differentiated (reverse over
+    reverse); float32 arrays in, compared relative to the reference's largest entry.
+    """
+
+    def penalty(fn):
+        def grad_norm(*args):
+            grads = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(len(args)))(*args)
+            return sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))
+
+        return jax.jit(jax.value_and_grad(grad_norm, argnums=range(len(args))))
+
+    got, want = penalty(f)(*args), penalty(reference)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        top = np.abs(w).max()
+        assert_close(g / top, w / top, jnp.float32, grad=True)
 
 
 def all_eqns(jaxpr):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from _check import all_eqns, float_row_scatters
+from _check import all_eqns, check_gradients_of_gradients, float_row_scatters
 from _tolerance import assert_close
 from probjax_eqx import MoE, UnsupportedError, grouped_matmul
 from probjax_eqx import moe as moe_module
@@ -650,3 +650,21 @@ def test_router_keeps_no_float32_copy_of_the_tokens(capsys):
     x = jnp.ones((19, 16), jnp.bfloat16)
     saved = saved_residuals(capsys, lambda m, x: jnp.sum(m.route(x)[1]), moe, x)
     assert "f32[19,16]" not in saved
+
+
+@pytest.mark.parametrize("dispatch", ["triton", "fused_gsum"])
+def test_gradients_of_gradients(getkey, dispatch):
+    """Reverse over reverse through the interpreted kernels (the grouped matmul; the fused
+    gather / scatter dispatch): their own VJP, then XLA's derivatives of it, equal XLA's
+    throughout, with respect to the tokens and the expert weights."""
+    x = jax.random.normal(getkey(), (9, 16))
+    key = getkey()
+    moe, reference = make_moe(key, dispatch), make_moe(key, "xla")  # the same weights
+
+    def run(module):  # a function of the module's float arrays (the dispatch is static)
+        params, static = eqx.partition(module, eqx.is_inexact_array)
+        treedef = jax.tree.structure(params)
+        return lambda leaves, x: eqx.combine(jax.tree.unflatten(treedef, leaves), static)(x)[0]
+
+    weights = jax.tree.leaves(eqx.filter(moe, eqx.is_inexact_array))
+    check_gradients_of_gradients(run(moe), run(reference), weights, x)

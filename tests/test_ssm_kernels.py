@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from _check import check_gradients_of_gradients
 from _tolerance import assert_close
 from probjax_eqx import RLA, Mamba, Mamba2, UnsupportedError, resolve, selective_scan
 from probjax_eqx.backends import DeviceInfo
@@ -186,3 +187,30 @@ def test_chunked_linear_defaults_split_wide_states_on_the_gpu(dtype):
     # the chunk-parallel backward (run 24).
     narrow = resolve("ssd", device=H200).select(RecurrenceCall(4096, "bfloat16", 128), None)
     assert narrow.config.block_dv is None and narrow.config.chunk_parallel_backward
+
+
+@pytest.mark.parametrize("op", ["selective_scan", "ssd", "linear_outside_window"])
+def test_gradients_of_gradients(getkey, op):
+    """Reverse over reverse through the interpreted kernels: their own VJP, then the pure-JAX
+    path's derivatives of it, equal the pure-JAX path's throughout."""
+    keys = jax.random.split(getkey(), 5)
+    normal = lambda i, shape: jax.random.normal(keys[i], shape)  # noqa: E731
+    if op == "selective_scan":
+        args = (normal(0, (12, 16)), jax.nn.softplus(normal(1, (12, 16))),
+                -jnp.exp(normal(2, (16, 4))), normal(3, (12, 4)), normal(4, (12, 4)),
+                jnp.ones(16))  # fmt: skip
+        f = lambda *a: selective_scan(*a, implementation="triton", config=SCAN_CFG)[0]  # noqa: E731
+        ref = lambda *a: selective_scan(*a, implementation="scan")[0]  # noqa: E731
+    elif op == "ssd":
+        args = (normal(0, (20, 2, 8)), jax.nn.softplus(normal(1, (20, 2))),
+                -jnp.exp(normal(2, (2,))), normal(3, (20, 4)), normal(4, (20, 4)),
+                jnp.ones(2))  # fmt: skip
+        f = lambda *a: ssd(*a, implementation="triton", config=CHUNK_CFG)[0]  # noqa: E731
+        ref = lambda *a: ssd(*a, chunk=8, implementation="chunked")[0]  # noqa: E731
+    else:
+        args = tuple(normal(i, (20, 2, 8)) for i in range(3))
+        f = lambda *a: linear_outside_window(  # noqa: E731
+            *a, window=3, implementation="triton", config=CHUNK_CFG
+        )
+        ref = lambda *a: linear_outside_window(*a, window=3, chunk=8, implementation="chunked")  # noqa: E731
+    check_gradients_of_gradients(f, ref, *args)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import MASKS, make_qkv
-from _check import check_against_oracle, oracle
+from _check import check_against_oracle, check_gradients_of_gradients, oracle
 from _tolerance import assert_close
 from probjax_eqx import (
     UnsupportedError,
@@ -399,3 +399,25 @@ def test_split_kv_over_several_query_tiles_causal(getkey):
     ct = jax.random.normal(getkey(), (2, 40, 2, 16))
     config = dataclasses.replace(CFG, num_splits=3, num_splits_dq=3)
     check(q, k, v, ct, masks.Causal("bottom_right"), config=config)
+
+
+@pytest.mark.parametrize(
+    "mask, score_mod",
+    [
+        (masks.Causal("bottom_right") & masks.KVLengths(jnp.array([13, 5])), None),
+        (None, biases.ALiBi(jnp.array([0.5, 0.25, 0.125, 1.0]))),
+    ],
+)
+def test_gradients_of_gradients(getkey, mask, score_mod):
+    """A gradient penalty (reverse over reverse) through the kernels: their own first-order
+    VJP, then the reference's derivatives of it, with respect to q, k, v and the score
+    mod's parameters, equal the reference's throughout."""
+    q, k, v = make_qkv(getkey(), batch=2, q_len=9, kv_len=13, q_heads=4, kv_heads=2,
+                       qk_dim=16, dtype=jnp.float32)  # fmt: skip
+
+    def attend(implementation, config):
+        return lambda q, k, v, mod: dot_product_attention(
+            q, k, v, mask=mask, bias=mod, implementation=implementation, config=config
+        )
+
+    check_gradients_of_gradients(attend("triton", CFG), attend("xla", None), q, k, v, score_mod)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 
+from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, Choice, register_op, register_regime, resolve
@@ -30,6 +31,7 @@ from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreF
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention
+from probjax_eqx.kernels.reference.attention import attention as reference_attention
 from probjax_eqx.kernels.triton.attention import TritonAttention
 from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn
 
@@ -172,7 +174,17 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     if call.q_len == 0 or call.kv_len == 0:  # no queries, or no key for any: zeros
         return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
     impl = _IMPLEMENTATIONS[choice.kernel]
-    return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
+
+    def kernel(q, k, v, mask, score_mod):
+        return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
+
+    if choice.kernel == "xla":
+        return kernel(q, k, v, mask, score_mod)
+
+    def reference(q, k, v, mask, score_mod):  # same math, differentiable to any order
+        return reference_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
+
+    return kernel_then_reference(kernel, reference, q, k, v, mask, score_mod)
 
 
 def _explain(q, k, v, mask, score_mod, implementation, config) -> Choice:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from probjax_eqx import recurrence
+from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx.backends import Backend, Choice, resolve
 from probjax_eqx.kernels.triton import ssm as triton_ssm
@@ -50,8 +51,15 @@ def selective_scan(
     choice = recurrence.select("selective_scan", x.shape[0], x.dtype, implementation, config)
     h0 = jnp.zeros(a.shape, f32) if h0 is None else h0.astype(f32)
     if choice.kernel == "triton":
-        y, h_last = triton_ssm.selective_scan(x, dt, a, b, c, h0, config=choice.config)
-        return y + d_skip.astype(f32) * x.astype(f32), h_last
+
+        def kernel(x, dt, a, b, c, d_skip, h0):
+            y, h_last = triton_ssm.selective_scan(x, dt, a, b, c, h0, config=choice.config)
+            return y + d_skip.astype(f32) * x.astype(f32), h_last
+
+        def reference(x, dt, a, b, c, d_skip, h0):
+            return selective_scan(x, dt, a, b, c, d_skip, h0=h0, implementation="scan")
+
+        return kernel_then_reference(kernel, reference, x, dt, a, b, c, d_skip, h0)
     implementation = choice.kernel
     x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
     decay = jnp.exp(dt[:, :, None] * a[None])  # [seq, d, n]
@@ -251,13 +259,22 @@ def ssd(
     h0 = jnp.zeros((heads, p, n), f32) if h0 is None else h0.astype(f32)
     skip = d_skip.astype(f32)[None, :, None] * x.astype(f32)
     if choice.kernel == "triton":
-        # B and C are one group shared by every head: q = C, k = B, v = dt x.
-        v = (dt[..., None].astype(f32) * x.astype(f32)).astype(x.dtype)
-        y, h_last = triton_ssm.chunked_linear_attention(
-            c[:, None], b[:, None], v, dt.astype(f32) * a.astype(f32), jnp.swapaxes(h0, 1, 2),
-            config=choice.config,
-        )  # fmt: skip
-        return y + skip, jnp.swapaxes(h_last, 1, 2)
+
+        def kernel(x, dt, a, b, c, skip, h0):
+            # B and C are one group shared by every head: q = C, k = B, v = dt x.
+            v = (dt[..., None].astype(f32) * x.astype(f32)).astype(x.dtype)
+            y, h_last = triton_ssm.chunked_linear_attention(
+                c[:, None], b[:, None], v, dt.astype(f32) * a.astype(f32),
+                jnp.swapaxes(h0, 1, 2), config=choice.config,
+            )  # fmt: skip
+            return y + skip, jnp.swapaxes(h_last, 1, 2)
+
+        def reference(x, dt, a, b, c, skip, h0):
+            y, h_last = ssd(x, dt, a, b, c, jnp.zeros_like(d_skip), chunk=chunk, h0=h0,
+                            implementation="chunked")  # fmt: skip
+            return y + skip, h_last
+
+        return kernel_then_reference(kernel, reference, x, dt, a, b, c, skip, h0)
     implementation = choice.kernel
     x, dt, a, b, c = (t.astype(f32) for t in (x, dt, a, b, c))
     if implementation == "scan":

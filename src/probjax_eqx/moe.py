@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx._rows import (
     bin_counts,
@@ -346,7 +347,14 @@ def grouped_matmul(
     if lhs.shape[0] == 0:  # no rows: nothing to multiply (the kernels' layouts need one)
         return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
     impl = _IMPLEMENTATIONS[choice.kernel]
-    return impl(lhs, rhs, group_sizes.astype(jnp.int32), config=choice.config)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if choice.kernel == "xla":
+        return impl(lhs, rhs, group_sizes, config=choice.config)
+
+    def kernel(lhs, rhs, group_sizes):
+        return impl(lhs, rhs, group_sizes, config=choice.config)
+
+    return kernel_then_reference(kernel, _xla_grouped_matmul, lhs, rhs, group_sizes)
 
 
 def explain_grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, config=None) -> Choice:
@@ -873,11 +881,17 @@ class MoE(eqx.Module):
         impl = _IMPLEMENTATIONS[choice.kernel]
         if isinstance(impl, MosaicGroupedMatmul):  # its kernels run on the padded layout
             kernels = impl.kernels(choice.config, self.num_experts)
-            return self._padded(x, token_of, slots, sorted_weights, group_sizes, kernels)
-        if mode == "fused_gsum":  # "auto" falls back to it where Mosaic cannot run
-            return self._fused_gsum(x, token_of, sorted_weights, group_sizes, choice)
-        gmm = functools.partial(grouped_matmul, implementation=backend, config=config)
-        return self._sorted(x, token_of, slots, sorted_weights, group_sizes, gmm)
+            fused = lambda m, x, t, s, w, g: m._padded(x, t, s, w, g, kernels)  # noqa: E731
+        elif mode == "fused_gsum":  # "auto" falls back to it where Mosaic cannot run
+            fused = lambda m, x, t, s, w, g: m._fused_gsum(x, t, w, g, choice)  # noqa: E731
+        else:  # `grouped_matmul` takes its gradients' derivatives to XLA itself
+            gmm = functools.partial(grouped_matmul, implementation=backend, config=config)
+            return self._sorted(x, token_of, slots, sorted_weights, group_sizes, gmm)
+        xla = functools.partial(grouped_matmul, implementation="xla")
+        reference = lambda m, x, t, s, w, g: m._sorted(x, t, s, w, g, xla)  # noqa: E731
+        return kernel_then_reference(
+            fused, reference, self, x, token_of, slots, sorted_weights, group_sizes
+        )
 
     def gate_up_weights(self, dtype) -> Float[Array, "experts d_model two_d_ff"]:
         """The gate and up expert matrices side by side: one grouped matmul for both."""

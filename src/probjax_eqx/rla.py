@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from probjax_eqx import masks, recurrence
+from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx.attention import dot_product_attention
 from probjax_eqx.backends import Backend, Choice, resolve
@@ -54,12 +55,25 @@ def linear_outside_window(
     `implementation`: `None`/`"auto"`, `"scan"`, `"chunked"`, `"triton"` (`config`: a
     `ChunkedLinearConfig`, whose `chunk` it uses) or a resolved `Backend`.
     """
-    seq, heads, _ = q.shape
     features = 2 * q.shape[2] + v.shape[2]
     choice = recurrence.select(
-        "linear_attention", seq, q.dtype, implementation, config, features=features
+        "linear_attention", q.shape[0], q.dtype, implementation, config, features=features
     )
-    implementation = choice.kernel
+    if choice.kernel != "triton":
+        return _linear_outside_window(q, k, v, window, chunk, choice.kernel, None)
+
+    def kernel(q, k, v):
+        return _linear_outside_window(q, k, v, window, chunk, "triton", choice.config)
+
+    def reference(q, k, v):
+        return _linear_outside_window(q, k, v, window, chunk, "chunked", None)
+
+    return kernel_then_reference(kernel, reference, q, k, v)
+
+
+def _linear_outside_window(q, k, v, window: int, chunk: int, implementation: str, config):
+    """`linear_outside_window` by `implementation`, its Triton kernel's `config`."""
+    seq, heads, _ = q.shape
     fq = feature_map(q)
     # Keys delayed by `window` make the branch causal linear attention; the first
     # `window` delayed rows are padding and carry zero features.
@@ -70,7 +84,7 @@ def linear_outside_window(
     if implementation == "triton":  # features in the input dtype: 16-bit tensor-core dots
         low = lambda t: t.astype(q.dtype)  # noqa: E731
         out, _ = triton_ssm.chunked_linear_attention(
-            low(fq), low(fk), low(vd), None, state0, config=choice.config
+            low(fq), low(fk), low(vd), None, state0, config=config
         )
         return out
     pad = -seq % chunk  # zero feature rows: they leave the state unchanged
