@@ -34,24 +34,27 @@ def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=Fals
     return out, grads
 
 
-def check_gradients_of_gradients(f, reference, *args):
+def check_gradients_of_gradients(f, reference, *args, dtype=jnp.float32):
     """A gradient penalty through `f` equals `reference`'s: value and gradients.
 
     `|grad sin(f)|^2` as a function of every argument, differentiated (reverse over
-    reverse); float32 arrays in, compared relative to the reference's largest entry.
+    reverse); compared relative to the reference's largest entry, at `dtype`'s gradient
+    tolerance.
     """
 
     def penalty(fn):
         def grad_norm(*args):
-            grads = jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(len(args)))(*args)
-            return sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))
+            loss = lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))  # noqa: E731
+            grads = jax.grad(loss, argnums=range(len(args)))(*args)
+            return sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads))
 
         return jax.jit(jax.value_and_grad(grad_norm, argnums=range(len(args))))
 
     got, want = penalty(f)(*args), penalty(reference)(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = (np.asarray(a, np.float32) for a in (g, w))
         top = np.abs(w).max()
-        assert_close(g / top, w / top, jnp.float32, grad=True)
+        assert_close(g / top, w / top, dtype, grad=True)
 
 
 def all_eqns(jaxpr):

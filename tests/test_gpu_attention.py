@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import loss_and_grads, make_qkv
-from _check import check_against_oracle, oracle
+from _check import check_against_oracle, check_gradients_of_gradients, oracle
 from _tolerance import assert_close
 from probjax_eqx import biases, dot_product_attention, explain_attention, flex_attention, masks
 
@@ -381,3 +381,21 @@ def test_cudnn_padded_backward_repeats(getkey):
                 err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(ref)))
                 wrong.append((repeat, name, float(err)))
     assert not wrong, f"cuDNN left the oracle (repeat, leaf, max error): {wrong}"
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic", "cudnn"])
+def test_gradients_of_gradients_on_gpu(getkey, implementation):
+    """A gradient penalty through each GPU kernel (its first-order VJP, then XLA's
+    derivatives of it) equals XLA's throughout: bf16 for Mosaic and cuDNN, which take
+    no float32."""
+    dtype = jnp.float32 if implementation == "triton" else jnp.bfloat16
+    q, k, v = make_qkv(getkey(), batch=2, q_len=130, kv_len=200, q_heads=4, kv_heads=2,
+                       qk_dim=64, dtype=dtype)  # fmt: skip
+    mask = masks.Causal("bottom_right")
+
+    def attend(implementation):
+        return lambda q, k, v: dot_product_attention(
+            q, k, v, mask=mask, implementation=implementation
+        )
+
+    check_gradients_of_gradients(attend(implementation), attend("xla"), q, k, v, dtype=dtype)
