@@ -34,7 +34,7 @@ def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=Fals
     return out, grads
 
 
-def check_gradients_of_gradients(f, reference, *args, dtype=jnp.float32):
+def check_gradients_of_gradients(f, reference, *args, dtype=jnp.float32, tf32=False):
     """A gradient penalty through `f` equals `reference`'s: value and gradients.
 
     `|grad sin(f)|^2` as a function of every argument, differentiated (reverse over
@@ -54,7 +54,7 @@ def check_gradients_of_gradients(f, reference, *args, dtype=jnp.float32):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         g, w = (np.asarray(a, np.float32) for a in (g, w))
         top = np.abs(w).max()
-        assert_close(g / top, w / top, dtype, grad=True)
+        assert_close(g / top, w / top, dtype, grad=True, tf32=tf32)
 
 
 def all_eqns(jaxpr):

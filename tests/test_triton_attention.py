@@ -408,16 +408,19 @@ def test_split_kv_over_several_query_tiles_causal(getkey):
         (None, biases.ALiBi(jnp.array([0.5, 0.25, 0.125, 1.0]))),
     ],
 )
-def test_gradients_of_gradients(getkey, mask, score_mod):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_of_gradients(getkey, mask, score_mod, dtype):
     """A gradient penalty (reverse over reverse) through the kernels: their own first-order
     VJP, then the reference's derivatives of it, with respect to q, k, v and the score
     mod's parameters, equal the reference's throughout."""
     q, k, v = make_qkv(getkey(), batch=2, q_len=9, kv_len=13, q_heads=4, kv_heads=2,
-                       qk_dim=16, dtype=jnp.float32)  # fmt: skip
+                       qk_dim=16, dtype=dtype)  # fmt: skip
 
     def attend(implementation, config):
         return lambda q, k, v, mod: dot_product_attention(
             q, k, v, mask=mask, bias=mod, implementation=implementation, config=config
         )
 
-    check_gradients_of_gradients(attend("triton", CFG), attend("xla", None), q, k, v, score_mod)
+    check_gradients_of_gradients(
+        attend("triton", CFG), attend("xla", None), q, k, v, score_mod, dtype=dtype
+    )

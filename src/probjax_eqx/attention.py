@@ -30,8 +30,7 @@ from probjax_eqx.backends import Backend, Choice, register_op, register_regime, 
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
-from probjax_eqx.kernels.reference.attention import XlaAttention
-from probjax_eqx.kernels.reference.attention import attention as reference_attention
+from probjax_eqx.kernels.reference.attention import XlaAttention, XlaAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttention
 from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn
 
@@ -181,8 +180,10 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     if choice.kernel == "xla":
         return kernel(q, k, v, mask, score_mod)
 
-    def reference(q, k, v, mask, score_mod):  # same math, differentiable to any order
-        return reference_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
+    def reference(q, k, v, mask, score_mod):  # the "xla" backend: same math and dtype
+        return _IMPLEMENTATIONS["xla"](
+            q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=XlaAttentionConfig()
+        )
 
     return kernel_then_reference(kernel, reference, q, k, v, mask, score_mod)
 
