@@ -54,9 +54,17 @@ def test_backend_is_hashable_and_frozen():
 
 def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     backend = resolve("attention", device=H200, environ={})
-    choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
+    choice = explain_attention(*shapes(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
+    # Causal masks below T 16384: Mosaic first (H100 run 81), cuDNN from T 16384 on.
+    choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
+    assert choice.kernel == "mosaic" and "'sm_90:short_causal' priority list" in choice.reason
+    long = shapes(lq=16384, lkv=16384)
+    assert explain_attention(*long, mask=masks.Causal(), implementation=backend).kernel == "cudnn"
+    # float32 goes past both to Triton.
+    f32 = explain_attention(*shapes(jnp.float32), mask=masks.Causal(), implementation=backend)
+    assert f32.kernel == "triton"
     # float32 is beyond cuDNN and the 16-bit Mosaic kernel; Triton takes it.
     choice = explain_attention(*shapes(jnp.float32), implementation=backend)
     assert choice.kernel == "triton"

@@ -350,6 +350,10 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     assert not (gpu(4096, 64).pingpong or gpu(16384, 128).pingpong)
     assert not (gpu(4096, 64, masks.Causal()).pingpong or gpu(16384, 128, masks.Causal()).pingpong)
     assert not gpu(8192, 64, masks.KVLengths(jnp.array([9]))).pingpong
+    # 24 registers for the backward's TMA warpgroup under causal-like masks (runs 65, 74).
+    assert gpu(4096, 128, masks.Causal()).backward_memory_registers == 24
+    assert gpu(4096, 64, masks.PrefixLM(100)).backward_memory_registers == 24
+    assert gpu(4096, 128).backward_memory_registers == interpreted.backward_memory_registers == 40
     # `fused_dq` up to 1 GiB of dQ reductions a head with groups of 1 (run 53), 512 MiB
     # in the other orders (run 48: slower at T 16384 hd 128).
     assert gpu(16384, 128).fused_dq and not gpu(32768, 128).fused_dq

@@ -101,9 +101,8 @@ class MosaicAttentionConfig:
             H200 (run 15, B4 H8 T4096 hd128) the forward took 0.602 ms with it and
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
         backward_memory_registers: the same for the TMA warpgroup of the two-warpgroup
-            dK/dV and dQ programs: 40 (FA3's backward takes 24). H100 run 65 (B4 H8
-            T4096 hd128, fwd+bwd, 40 / 24): 2.065 / 2.077 ms, causal 1.197 / 1.162; the
-            session script's stage 30 repeats it before the default moves.
+            dK/dV and dQ programs: 40 (FA3's backward takes 24); `default_config` takes
+            24 under causal-like masks on the GPU (`_BACKWARD_MEMORY_REGISTERS`).
         pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
@@ -464,6 +463,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         pingpong=gpu and _pingpong(call),
         overlap_softmax=gpu,
         memory_registers=24 if gpu else None,
+        backward_memory_registers=_backward_memory_registers(call) if gpu else MEMORY_REGISTERS,
         approx_math=gpu and call.score_mod is None,
         launch_group=_launch_group(call) if gpu else None,
         interpret=not gpu,
@@ -505,6 +505,16 @@ def _launch_group(call: AttentionCall) -> int:
     if _mask_names(call) & _UNEVEN_TILES and call.q_len < 16384:
         return 4
     return 1
+
+
+def _backward_memory_registers(call: AttentionCall) -> int:
+    """The GPU's `backward_memory_registers`: 24 under causal-like masks, else 40.
+
+    H100, B4 H8 T4096 bf16 fwd+bwd, 40 / 24. Causal hd 128: run 65 1.197 / 1.162 ms, run
+    74 1.184 / 1.153 and 1.182 / 1.151; hd 64: 0.667 / 0.658 and 0.660 / 0.662.
+    Non-causal hd 128 (run 65): 2.065 / 2.077.
+    """
+    return 24 if _mask_names(call) & _UNEVEN_TILES else MEMORY_REGISTERS
 
 
 def _pingpong(call: AttentionCall) -> bool:
