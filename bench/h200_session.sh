@@ -5,13 +5,9 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 30 (the GPU tests of the Triton backward's split dQ
-# and of the causal ping-pong default; the backward's TMA registers again; JAX cuDNN's
-# fwd+bwd with and without XLA's command buffers), 31 (GQA's dK/dV summed inside the
-# Triton backward; Mosaic's staggered dK/dV query tiles: their GPU tests and timing), 15 (the set-transformer peers after runs
-# 71-73), 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
-# 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29.
+# 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -360,24 +356,16 @@ case "${1:?stage 1 to 31}" in
     done
     ;;
   31)
-    # GQA's dK/dV summed in one Triton program per KV head (`group_dkv`, off until this
-    # times it) and Mosaic's staggered query tiles under their GPU tests, then each timed
-    # with and without: group_dkv at 32 query heads over 8.
+    # GQA's dK/dV summed in one Triton program per KV head (`group_dkv`) under its GPU
+    # tests, then fwd+bwd with and without, 32 query heads over 8 (run 75: mixed, off).
     step 150 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
-      bash -c 'mkdir -p $OUT; LIMIT=130 bash bench/gpu_tests.sh -k "group_dkv or staggered"; \
+      bash -c 'mkdir -p $OUT; LIMIT=130 bash bench/gpu_tests.sh -k "group_dkv"; \
         cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
         tail -25 $OUT/gpu_tests.txt'
     step 250 sweep_group_dkv python3 -m bench.sweep_attention \
       --out "$out/sweep_group_dkv.json" --implementation triton --seq 4096 \
       --head-dim 128 64 --batch 2 --heads 32 --kv-heads 8 --causal 0 1 --part bwd \
       --config '{}' '{"group_dkv": true}'
-    # The Mosaic dK/dV programs of one head each starting at a different query tile, so
-    # that their fused dQ^T reductions do not all land in one tile at a time (ncu, run
-    # 66: the backward kernel 1.37 ms to cuDNN's 1.17, L2 throughput 75.5%, DRAM 8%).
-    step 190 sweep_stagger python3 -m bench.sweep_attention \
-      --out "$out/sweep_stagger.json" --implementation mosaic --seq 4096 16384 \
-      --head-dim 128 64 --causal 0 --part bwd --config '{}' \
-      '{"stagger_query_tiles": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -296,10 +296,6 @@ MOSAIC_SCHEDULES["fa3_approx_math"] = dict(MOSAIC_SCHEDULES["fa3"], approx_math=
 # in groups of 3, their order remapped in the kernel (`launch_group`).
 MOSAIC_SCHEDULES["fa3_launch_group_1"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=1)
 MOSAIC_SCHEDULES["fa3_launch_group_3"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=3)
-# The dK/dV programs side by side each starting at a different query tile.
-MOSAIC_SCHEDULES["fa3_staggered"] = dict(
-    MOSAIC_SCHEDULES["fa3_launch_group_1"], stagger_query_tiles=True
-)
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)

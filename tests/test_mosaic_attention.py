@@ -189,17 +189,6 @@ def test_launch_group_kernels(getkey, group, fused_dq):
     check(q, k, v, ct, masks.Causal("bottom_right"), config)
 
 
-@pytest.mark.parametrize("mask", [None, masks.Causal()])
-def test_staggered_query_tiles(getkey, mask):
-    """stagger_query_tiles: three dK/dV programs each start their unmasked query tiles at
-    a different one (a partial last tile, GQA members carrying the rotation on)."""
-    q, k, v = make_qkv(getkey(), batch=1, q_len=230, kv_len=300, q_heads=2, kv_heads=1,
-                       qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
-    ct = jax.random.normal(getkey(), q.shape)
-    config = dataclasses.replace(CFG, block_k_dkv=128, fused_dq=True, stagger_query_tiles=True)
-    check(q, k, v, ct, mask, config)
-
-
 @pytest.mark.skipif(not JAX_011, reason="jax 0.10's interpreter cannot read transposed views")
 def test_transposed_views(getkey):
     """transposed_views: K^T, Q^T, dO^T, V^T as views of the tiles TMA brought in."""

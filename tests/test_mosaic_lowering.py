@@ -62,8 +62,6 @@ CASES = {
         dict(launch_group=3, block_k_dkv=128),
         # FA3's backward register split: 24 registers for the TMA warpgroup.
         dict(fused_dq=True, block_k_dkv=128, backward_memory_registers=24, **FA3_GPU),
-        # Each dK/dV program starting at a different query tile.
-        dict(launch_group=1, fused_dq=True, block_k_dkv=128, stagger_query_tiles=True, **FA3_GPU),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):

@@ -102,7 +102,7 @@ class MosaicAttentionConfig:
             0.633 ms with 40 for the TMA warpgroup (FA3's split).
         backward_memory_registers: the same for the TMA warpgroup of the two-warpgroup
             dK/dV and dQ programs: 40 (FA3's backward takes 24); `default_config` takes
-            24 under causal-like masks on the GPU (`_BACKWARD_MEMORY_REGISTERS`).
+            24 under causal-like masks on the GPU (`_backward_memory_registers`).
         pingpong: in the forward, FA3's ping-pong schedule: the two compute warpgroups
             take turns issuing their step's products (the scores' product; with
             `overlap_softmax` the previous step's P @ V too), so that one runs its
@@ -155,12 +155,11 @@ class MosaicAttentionConfig:
             as FA3 and tokamax do, sharing its K / V (forward, dQ) or Q / dO and, with
             `fused_dq`, dQ^T (dK/dV) in the L2. Larger groups trade that reuse for the
             balance of longest-first. `default_config` picks 1 on the GPU, 4 for short
-            causal calls (`_launch_group`).
-        stagger_query_tiles: each dK/dV program takes its unmasked query tiles starting
-            at a different one (key tile j starts j tiles on, wrapping around), so that
-            with `fused_dq` the programs of one head, which run side by side, add their
-            dQ^T shares into different tiles at a time instead of all into the same
-            one. Under causal masks the programs' ranges already start apart.
+            causal calls (`_launch_group`). The dK/dV programs of a pair step through
+            their query tiles in the same order: each starting at a tile of its own
+            (so that their fused dQ^T reductions land apart) was slower, H100 run 75
+            (non-causal fwd+bwd, T4096 hd128 / hd64, T16384 hd128 / hd64): 2.06 -> 2.18,
+            1.20 -> 1.24, 29.96 -> 32.58, 17.37 -> 18.20 ms.
         approx_math: the compiler's approximate `exp2` and `tanh` (`approx_math` of
             `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
             its kernels. `default_config` turns it on for the GPU without score mods
@@ -184,7 +183,6 @@ class MosaicAttentionConfig:
     transposed_views: bool = False
     fused_dq: bool = False
     launch_group: int | None = None
-    stagger_query_tiles: bool = False
     approx_math: bool = False
     interpret: bool = False
 
@@ -1143,7 +1141,7 @@ class _Ring:
 
 
 def _backward_program(
-    ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1, shift: Any = 0
+    ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1
 ):
     """Drive one backward program over the tiles of `ranges` (`_flash.tile_loop`).
 
@@ -1154,24 +1152,14 @@ def _backward_program(
     prefetches the next step's operands before computing the current one; with it,
     warpgroups 0 and 1 compute while warpgroup 2 streams the operands through the ring
     (`tma_ring`), `memory_registers` a thread for the latter (FA3's split).
-    `shift` rotates the unmasked tiles' order: their first step takes tile
-    `full_lo + shift % their count` (`stagger_query_tiles`).
     """
-    lo, full_lo, full_hi, hi = ranges
-    stages = ring.stages
-    count = hi - lo
+    lo, stages = ranges[0], ring.stages
+    count = ranges[3] - lo
     steps = members * count
 
-    def tile_at(i):  # the tile that position i of the loop takes
-        if isinstance(shift, int) and shift == 0:
-            return i
-        full = jnp.maximum(full_hi - full_lo, 1)
-        rotated = full_lo + lax.rem(i - full_lo + lax.rem(shift, full), full)
-        return jnp.where((i >= full_lo) & (i < full_hi), rotated, i)
-
-    def views_at(n):  # step n of the program: member n // count, position lo + n % count
+    def views_at(n):  # step n of the program: member n // count, tile lo + n % count
         per_member = jnp.maximum(count, 1)
-        return views_of(lax.div(n, per_member), tile_at(lo + lax.rem(n, per_member)))
+        return views_of(lax.div(n, per_member), lo + lax.rem(n, per_member))
 
     def loop_with(before, after):
         def loop(step):
@@ -1180,7 +1168,7 @@ def _backward_program(
                     n = g * count + i - lo
                     slot = lax.rem(n, stages)
                     before(n, slot)
-                    step(g, tile_at(i), n, slot, masked)
+                    step(g, i, n, slot, masked)
                     after(slot)
                     return carry
 
@@ -1331,9 +1319,8 @@ def _dkv_kernel(*refs, st, rebuild):
         _store((dk, tiles[0], dk_ref.at[b, keys, kv_h]), (dv, tiles[1], dv_ref.at[b, keys, kv_h]))
 
     _backward_program(
-        ring, ranges, views_of, compute, st.config.backward_memory_registers, members=groups,
-        shift=j if cfg.stagger_query_tiles else 0,
-    )  # fmt: skip
+        ring, ranges, views_of, compute, st.config.backward_memory_registers, members=groups
+    )
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):

@@ -72,7 +72,10 @@ class TritonAttentionConfig:
             its keys' share of dQ in float32, and the shares are added after it.
         group_dkv: with GQA, one dK/dV program per KV head sums its query heads' shares
             as it loops over them (split backward only), where otherwise each query
-            head's dK/dV is written in float32 and the group summed afterwards.
+            head's dK/dV is written in float32 and the group summed afterwards. Off by
+            default: H100 run 75 (B2, 32 query heads over 8, T4096, fwd+bwd, without /
+            with) hd 128 5.56 / 5.64 ms, causal 3.09 / 3.13; hd 64 3.49 / 3.40, causal
+            2.00 / 2.00.
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
         interpret: run in Pallas interpret mode (CPU tests).
