@@ -57,7 +57,7 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
-    # Causal masks below T 16384: Mosaic first (H100 run 81), cuDNN from T 16384 on.
+    # Causal masks below T 16384: Mosaic first (H100 run 82), cuDNN from T 16384 on.
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
     assert choice.kernel == "mosaic" and "'sm_90:short_causal' priority list" in choice.reason
     long = shapes(lq=16384, lkv=16384)

@@ -98,7 +98,7 @@ def _score_mod(call) -> bool:
 
 register_regime("attention", "score_mod", _score_mod)
 
-# Causal masks below T 16384: our Mosaic kernel, with cuDNN behind it. H100 run 81 (B4 H8
+# Causal masks below T 16384: our Mosaic kernel, with cuDNN behind it. H100 run 82 (B4 H8
 # bf16, fwd+bwd ms, Mosaic / jax.nn cuDNN / torch SDPA cuDNN): T 1024 hd 64 0.095 /
 # 0.125 / 0.169, hd 128 0.157 / 0.187 / 0.169; T 4096 hd 64 0.659 / 0.773 / 0.698, hd 128
 # 1.138 / 1.202 / 1.104. At T 16384 hd 128 cuDNN wins (run 60: 16.46 vs 15.21).

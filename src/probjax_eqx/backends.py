@@ -67,7 +67,7 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # causal 1.84 vs 2.28); Triton every other mod.
         "sm_90:score_mod": ("mosaic", "triton", "xla"),
         # Causal masks below T 16384 (attention.CAUSAL_MOSAIC_MAX_LEN): Mosaic trains
-        # faster than cuDNN there (H100 run 81: T 4096 hd 128 1.138 vs 1.202 ms).
+        # faster than cuDNN there (H100 run 82: T 4096 hd 128 1.138 vs 1.202 ms).
         "sm_90:short_causal": ("mosaic", "cudnn", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
