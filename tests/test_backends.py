@@ -57,11 +57,15 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
-    # Causal masks below T 16384: Mosaic first (H100 run 82), cuDNN from T 16384 on.
+    # Causal masks below T 16384: Mosaic first (H100 run 82), cuDNN from T 16384 on but
+    # for heads of <= 64 dims (run 83).
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
-    assert choice.kernel == "mosaic" and "'sm_90:short_causal' priority list" in choice.reason
-    long = shapes(lq=16384, lkv=16384)
-    assert explain_attention(*long, mask=masks.Causal(), implementation=backend).kernel == "cudnn"
+    assert choice.kernel == "mosaic" and "'sm_90:causal' priority list" in choice.reason
+    for d, kernel in ((128, "cudnn"), (64, "mosaic")):
+        long = explain_attention(
+            *shapes(lq=16384, lkv=16384, d=d), mask=masks.Causal(), implementation=backend
+        )
+        assert long.kernel == kernel, d
     # float32 goes past both to Triton.
     f32 = explain_attention(*shapes(jnp.float32), mask=masks.Causal(), implementation=backend)
     assert f32.kernel == "triton"

@@ -98,19 +98,23 @@ def _score_mod(call) -> bool:
 
 register_regime("attention", "score_mod", _score_mod)
 
-# Causal masks below T 16384: our Mosaic kernel, with cuDNN behind it. H100 run 82 (B4 H8
-# bf16, fwd+bwd ms, Mosaic / jax.nn cuDNN / torch SDPA cuDNN): T 1024 hd 64 0.095 /
-# 0.125 / 0.169, hd 128 0.157 / 0.187 / 0.169; T 4096 hd 64 0.659 / 0.773 / 0.698, hd 128
-# 1.138 / 1.202 / 1.104. At T 16384 hd 128 cuDNN wins (run 60: 16.46 vs 15.21).
-CAUSAL_MOSAIC_MAX_LEN = 16384  # exclusive
+# Causal masks: our Mosaic kernel, with cuDNN behind it, below T 16384 and at any length
+# for heads of <= 64 dims. H100 (B4 H8 bf16, fwd+bwd ms, Mosaic / jax.nn cuDNN / torch
+# SDPA cuDNN), run 82: T 1024 hd 64 0.095 / 0.125 / 0.169, hd 128 0.157 / 0.187 / 0.169;
+# T 4096 hd 64 0.659 / 0.773 / 0.698, hd 128 1.138 / 1.202 / 1.104. Run 83: T 16384 hd 64
+# 8.66 / 8.85 / 8.78; at hd 128 cuDNN wins, 15.03 / 14.63 / 14.04.
+CAUSAL_MOSAIC_MAX_LEN = 16384  # exclusive, for heads wider than the next
+CAUSAL_MOSAIC_ANY_LEN_HEAD_DIM = 64
 
 
-def _short_causal(call) -> bool:  # a plain causal mask, as timed (no windows, lengths)
+def _mosaic_causal(call) -> bool:  # a plain causal mask, as timed (no windows, lengths)
     causal = bool(call.mask_terms) and all(term[0] == "causal" for term in call.mask_terms)
-    return causal and max(call.q_len, call.kv_len) < CAUSAL_MOSAIC_MAX_LEN
+    short = max(call.q_len, call.kv_len) < CAUSAL_MOSAIC_MAX_LEN
+    narrow = max(call.qk_dim, call.v_dim) <= CAUSAL_MOSAIC_ANY_LEN_HEAD_DIM
+    return causal and (short or narrow)
 
 
-register_regime("attention", "short_causal", _short_causal)
+register_regime("attention", "causal", _mosaic_causal)
 
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 
