@@ -7,7 +7,8 @@
 # Merge afterwards: `python -m bench.merge --run N F...`.
 # Not yet run, in order of need: 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
-# 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15.
+# 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
+# ran 32, 1 and 23.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -36,7 +37,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 31}" in
+case "${1:?stage 1 to 32}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -366,6 +367,16 @@ case "${1:?stage 1 to 31}" in
       --out "$out/sweep_group_dkv.json" --implementation triton --seq 4096 \
       --head-dim 128 64 --batch 2 --heads 32 --kv-heads 8 --causal 0 1 --part bwd \
       --config '{}' '{"group_dkv": true}'
+    ;;
+  32)
+    # Our default on causal shapes since plain causal masks go to Mosaic first (run 82's
+    # auto rows predate that route), beside both cuDNN routes; then the split-KV forward's
+    # tiles x splits on the H100 (every sweep so far ran on the H200), MHA shapes too.
+    suite 330 attention_causal --suite attention --seq 1024 4096 16384 \
+      --set causal=True dtype=bfloat16 head_dim=64,128 \
+      --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    step 250 sweep_decode python3 -m bench.sweep_decode --out "$out/sweep_decode.json" \
+      --shape 1,32768,32 1,131072,32 8,131072,8 8,131072,32 --programs 132 264 528 1056
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

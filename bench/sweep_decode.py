@@ -19,7 +19,7 @@ from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
 SHAPES = [(1, 131072, 8), (8, 32768, 8), (8, 131072, 8), (8, 131072, 32)]  # batch, kv_len, kv heads
 # block_k, warps, stages
-TILES = [(64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 4, 3), (128, 8, 3), (256, 8, 2)]
+TILES = [(64, 4, 3), (64, 8, 3), (64, 8, 4), (128, 8, 2), (128, 4, 3), (128, 8, 3), (256, 8, 2)]
 PROGRAMS = [132, 264, 528]
 HEADS, HEAD_DIM = 32, 128
 

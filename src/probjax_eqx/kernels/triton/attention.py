@@ -198,7 +198,9 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     pack, rows, _ = _query_rows(call)
     # One query tile of 16 rows per head (decoding) is bandwidth-bound: 128-key steps in
     # 3 stages, one program per SM by shared memory, read K/V fastest (H200 sweep, run
-    # 16: 0.991 ms vs 1.009 for 64-key steps at batch 8, 131,072 keys, 8 KV heads).
+    # 16: 0.991 ms vs 1.009 for 64-key steps at batch 8, 131,072 keys, 8 KV heads). The
+    # H100 (run 83) preferred 64-key steps with 4 warps by <= 2.5% (1.359 vs 1.374 ms
+    # there; batch 1, 32 KV heads, 32,768 keys: 0.180 vs 0.185), so no one tile wins both.
     decode = rows <= _MIN_BLOCK
     block_q, block_k, stages = fit(64 if fine else 128, rows), (128 if decode else 64), 3
     while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
