@@ -498,7 +498,8 @@ def _launch_group(call: AttentionCall) -> int:
     run 59 (fwd / fwd+bwd, groups None / 1 / 4 / 16): T 4096 hd 128 0.278 / 0.284 / 0.261 /
     0.272 and 1.28 / 1.30 / 1.21 / 1.22 ms, hd 64 0.199 / 0.218 / 0.194 / 0.197 and 0.697 /
     0.736 / 0.675 / 0.674; T 16384 hd 128 3.82 / 3.53 / 3.63 / 3.70 and 17.0 / 16.1 / 16.3 /
-    16.8, hd 64 2.73 / 2.61 / 2.62 / 2.69 and 9.66 / 9.07 / 9.10 / 9.30.
+    16.8, hd 64 2.73 / 2.61 / 2.62 / 2.69 and 9.66 / 9.07 / 9.10 / 9.30. Run 86 (T 16384
+    hd 128 causal, fwd+bwd, groups 1 / 2 / 4): 15.02 / 14.91 / 15.03.
     """
     if _mask_names(call) & _UNEVEN_TILES and call.q_len < 16384:
         return 4
