@@ -100,6 +100,25 @@ def _uniform(key, shape, bound, dtype):
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
+def _dt_bias(key, shape, dt_min, dt_max, floor, dtype):
+    """softplus^-1 of a log-uniform `dt` in `[dt_min, dt_max]`, at least `floor`."""
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), floor)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def _causal_conv(x, window, weight, bias):
+    """SiLU of the causal depthwise conv of `x` after `window`, and the next window.
+
+    `window` holds the inputs before `x` (zeros at the start of a sequence).
+    """
+    seq, width = x.shape[0], weight.shape[0]
+    padded = jnp.concatenate([window.astype(x.dtype), x], axis=0)
+    # Tap k sees input t - (width - 1 - k).
+    out = sum(padded[k : k + seq] * weight[k] for k in range(width))
+    return jax.nn.silu(out + bias), padded[seq:]
+
+
 class Mamba(eqx.Module):
     """A Mamba-1 block; unbatched `[seq, d_model]` (use `jax.vmap`)."""
 
@@ -159,10 +178,7 @@ class Mamba(eqx.Module):
         self.conv_bias = jnp.zeros((d_inner,), dtype)
         self.x_proj = _uniform(keys[2], (d_inner, dt_rank + 2 * d_state), d_inner**-0.5, dtype)
         self.dt_proj = _uniform(keys[3], (dt_rank, d_inner), dt_rank**-0.5, dtype)
-        log_dt = jax.random.uniform(keys[4], (d_inner,), jnp.float32)
-        dt = jnp.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = jnp.maximum(dt, dt_init_floor)
-        self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # softplus^-1(dt)
+        self.dt_bias = _dt_bias(keys[4], (d_inner,), dt_min, dt_max, dt_init_floor, dtype)
         a = jnp.broadcast_to(jnp.arange(1, d_state + 1, dtype=jnp.float32), (d_inner, d_state))
         self.a_log = jnp.log(a).astype(dtype)
         self.d_skip = jnp.ones((d_inner,), dtype)
@@ -183,19 +199,10 @@ class Mamba(eqx.Module):
         dt = jax.nn.softplus(dt_low @ self.dt_proj + self.dt_bias)
         return dt, -jnp.exp(self.a_log.astype(jnp.float32)), b, c
 
-    def _conv(self, x, window):
-        """Causal depthwise conv of `x` preceded by `window` (the previous inputs)."""
-        width = self.conv_weight.shape[0]
-        padded = jnp.concatenate([window.astype(x.dtype), x], axis=0)
-        out = sum(
-            padded[k : k + x.shape[0]] * self.conv_weight[k] for k in range(width)
-        )  # tap k sees input t - (width - 1 - k)
-        return jax.nn.silu(out + self.conv_bias), padded[x.shape[0] :]
-
     def _forward(self, x, cache: MambaCache):
         xz = x @ self.in_proj
         u, z = xz[:, : self.d_inner], xz[:, self.d_inner :]
-        u, window = self._conv(u, cache.conv)
+        u, window = _causal_conv(u, cache.conv, self.conv_weight, self.conv_bias)
         dt, a, b, c = self._ssm_inputs(u)
         y, h = selective_scan(
             u, dt, a, b, c, self.d_skip, h0=cache.ssm, implementation=self.backend,
@@ -347,6 +354,7 @@ class Mamba2(eqx.Module):
         chunk: int = 64,
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
         implementation: str | None = None,
         config: object = None,
         dtype=None,
@@ -363,6 +371,7 @@ class Mamba2(eqx.Module):
             chunk: chunk length of the `"chunked"` scan (`"triton"` takes its config's).
             dt_min: lower end of the `dt` initialisation range.
             dt_max: upper end of the `dt` initialisation range.
+            dt_init_floor: smallest initial `dt`.
             implementation: the SSD backend: `None`/`"auto"`, `"scan"`, `"chunked"` or
                 `"triton"`.
             config: the pinned implementation's config (a `ChunkedLinearConfig`).
@@ -380,9 +389,7 @@ class Mamba2(eqx.Module):
         self.in_proj = _uniform(keys[0], (d_model, proj), d_model**-0.5, dtype)
         self.conv_weight = _uniform(keys[1], (d_conv, conv_dim), d_conv**-0.5, dtype)
         self.conv_bias = jnp.zeros((conv_dim,), dtype)
-        u = jax.random.uniform(keys[2], (heads,), jnp.float32)
-        dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        self.dt_bias = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+        self.dt_bias = _dt_bias(keys[2], (heads,), dt_min, dt_max, dt_init_floor, dtype)
         a = jax.random.uniform(keys[3], (heads,), jnp.float32, 1.0, 16.0)
         self.a_log = jnp.log(a).astype(dtype)
         self.d_skip = jnp.ones((heads,), dtype)
@@ -414,10 +421,7 @@ class Mamba2(eqx.Module):
         seq, di, n = x.shape[0], self.d_inner, self.d_state
         proj = x @ self.in_proj
         z, xbc, dt = proj[:, :di], proj[:, di : 2 * di + 2 * n], proj[:, 2 * di + 2 * n :]
-        padded = jnp.concatenate([cache.conv.astype(x.dtype), xbc], axis=0)
-        width = self.conv_weight.shape[0]
-        conv = sum(padded[k : k + seq] * self.conv_weight[k] for k in range(width))
-        xbc = jax.nn.silu(conv + self.conv_bias)
+        xbc, window = _causal_conv(xbc, cache.conv, self.conv_weight, self.conv_bias)
         u, b, c = xbc[:, :di], xbc[:, di : di + n], xbc[:, di + n :]
         dt = jax.nn.softplus(dt + self.dt_bias)
         a = -jnp.exp(self.a_log.astype(jnp.float32))
@@ -427,7 +431,7 @@ class Mamba2(eqx.Module):
         )  # fmt: skip
         y = y.reshape(seq, di) * jax.nn.silu(z.astype(jnp.float32))
         y = y * jax.lax.rsqrt(jnp.mean(y**2, -1, keepdims=True) + 1e-6) * self.norm
-        return y.astype(x.dtype) @ self.out_proj, Mamba2Cache(padded[seq:], h)
+        return y.astype(x.dtype) @ self.out_proj, Mamba2Cache(window, h)
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         check_width("Mamba2", "x", x, self.in_proj.shape[0])
