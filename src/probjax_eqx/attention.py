@@ -103,8 +103,8 @@ register_regime("attention", "score_mod", _score_mod)
 # SDPA cuDNN), run 82: T 1024 hd 64 0.095 / 0.125 / 0.169, hd 128 0.157 / 0.187 / 0.169;
 # T 4096 hd 64 0.659 / 0.773 / 0.698, hd 128 1.138 / 1.202 / 1.104. Run 83: T 16384 hd 64
 # 8.66 / 8.85 / 8.78; at hd 128 cuDNN wins, 15.03 / 14.63 / 14.04.
-CAUSAL_MOSAIC_MAX_LEN = 16384  # exclusive, for heads wider than the next
-CAUSAL_MOSAIC_ANY_LEN_HEAD_DIM = 64
+CAUSAL_MOSAIC_MAX_LEN = 16384  # exclusive
+CAUSAL_MOSAIC_ANY_LEN_HEAD_DIM = 64  # heads this narrow take Mosaic at any length
 
 
 def _mosaic_causal(call) -> bool:  # a plain causal mask, as timed (no windows, lengths)
