@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 33; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23.
@@ -37,7 +37,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 32}" in
+case "${1:?stage 1 to 33}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -377,6 +377,19 @@ case "${1:?stage 1 to 32}" in
       --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
     step 250 sweep_decode python3 -m bench.sweep_decode --out "$out/sweep_decode.json" \
       --shape 1,32768,32 1,131072,32 8,131072,8 8,131072,32 --programs 132 264 528 1056
+    ;;
+  33)
+    # `dq_rows` (fused_dq's accumulator laid out as dQ, so that XLA casts it instead of
+    # transposing dQ^T: 42.7 us in run 66) under its GPU tests, then fwd+bwd with and
+    # without it, causal and not, hd 128 and 64, at T 4096 (T 16384's compiles and runs
+    # took 80 s a config in run 86: a stage of their own).
+    step 250 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
+      bash -c 'mkdir -p $OUT; LIMIT=230 bash bench/gpu_tests.sh -k "dq_rows"; \
+        cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
+        tail -25 $OUT/gpu_tests.txt'
+    step 330 sweep_dq_rows python3 -m bench.sweep_attention \
+      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
+      --head-dim 128 64 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
