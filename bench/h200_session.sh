@@ -383,10 +383,7 @@ case "${1:?stage 1 to 33}" in
     # transposing dQ^T: 42.7 us in run 66) under its GPU tests, then fwd+bwd with and
     # without it, causal and not, hd 128 and 64, at T 4096 (T 16384's compiles and runs
     # took 80 s a config in run 86: a stage of their own).
-    step 250 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES=tests/test_gpu_attention.py \
-      bash -c 'mkdir -p $OUT; LIMIT=230 bash bench/gpu_tests.sh -k "dq_rows"; \
-        cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; \
-        tail -25 $OUT/gpu_tests.txt'
+    gpu_tests 230 -k dq_rows
     step 330 sweep_dq_rows python3 -m bench.sweep_attention \
       --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
       --head-dim 128 64 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
