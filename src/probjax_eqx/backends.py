@@ -17,7 +17,7 @@ Registry rules (in priority order, first supported wins):
 | attention, head_dim <= 32 | triton, cudnn, mosaic, xla | triton, xla |
 | attention, KV/Q lengths | triton, mosaic, xla | triton, xla |
 | attention, score mods | mosaic, triton, xla  | triton, xla                 |
-| attention, causal below T 16384 | mosaic, cudnn, triton, xla | triton, xla   |
+| attention, causal below T 16384, or hd <= 64 | mosaic, cudnn, triton, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
 | ssd, linear_attention | triton, chunked      | triton, chunked             |
