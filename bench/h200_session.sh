@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 33; 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 33, 34; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23.
@@ -37,7 +37,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 33}" in
+case "${1:?stage 1 to 34}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -387,6 +387,17 @@ case "${1:?stage 1 to 33}" in
     step 330 sweep_dq_rows python3 -m bench.sweep_attention \
       --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
       --head-dim 128 64 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    ;;
+  34)
+    # Our default at T 16384 hd 64 causal, which the causal regime sends to Mosaic since
+    # 6034ad7 (run 83's auto row there was cuDNN's 8.94 ms), beside both cuDNN routes;
+    # then `dq_rows` at T 16384 hd 128 (run 86: 15.02 ms causal, cuDNN 14.61).
+    suite 200 attention_causal_16k --suite attention --seq 16384 \
+      --set causal=True dtype=bfloat16 head_dim=64 \
+      --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    step 340 sweep_dq_rows_16k python3 -m bench.sweep_attention \
+      --out "$out/sweep_dq_rows_16k.json" --implementation mosaic --seq 16384 \
+      --head-dim 128 --causal 1 0 --part bwd --config '{}' '{"dq_rows": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
