@@ -198,6 +198,24 @@ def test_triton_group_dkv_on_gpu(getkey, q_heads):
         assert np.all(np.abs(a - b) <= bound), np.max(np.abs(a - b) - bound)
 
 
+@pytest.mark.parametrize("kv_len, block_k_dkv", [(50, 64), (128, 128)])
+def test_triton_fused_backward_over_one_key_tile_on_gpu(getkey, kv_len, block_k_dkv):
+    """Cross-attention to few keys (set-transformer inducing points): the fused backward
+    stores dQ whole; ragged and zero KV lengths."""
+    q, k, v = make_qkv(getkey(), batch=2, q_len=1000, kv_len=kv_len, q_heads=4,
+                       kv_heads=4, qk_dim=32, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    mask = masks.KVLengths(jnp.array([kv_len - 7, 0]))
+    choice = explain_attention(q, k, v, mask=mask, implementation="triton")
+    config = dataclasses.replace(choice.config, block_k_dkv=block_k_dkv)
+    config = dataclasses.replace(config, backward_pass_impl="triton_fused")
+    f = lambda q, k, v: dot_product_attention(
+        q, k, v, mask=mask, implementation="triton", config=config
+    )
+    _, grads = check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    assert not np.any(np.asarray(grads[0][1], np.float32))
+
+
 def test_triton_fused_backward_and_alibi_on_gpu(getkey):
     from probjax_eqx import biases
     from probjax_eqx.kernels.triton.attention import TritonAttentionConfig

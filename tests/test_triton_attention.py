@@ -243,6 +243,36 @@ def test_fused_backward(getkey, name):
     check(q, k, v, ct, mask, config=FUSED)
 
 
+ONE_KEY_TILE = dataclasses.replace(CFG, block_k_dkv=32)  # keys padded to one dK/dV tile
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.Causal("bottom_right"),
+     masks.QLengths(jnp.array([40, 5])) & masks.KVLengths(jnp.array([20, 0]))],
+    ids=["causal_bottom_right", "q_and_kv_lengths"],
+)  # fmt: skip
+def test_fused_backward_over_one_key_tile(getkey, mask):
+    """Keys that fit one dK/dV tile: the fused backward stores dQ (no atomics), zeros
+    for the query tiles its loop skips (rows before the diagonal, a row with no key)."""
+    q, k, v = make_qkv(getkey(), q_len=40, kv_len=20, v_dim=12)
+    ct = jax.random.normal(getkey(), (2, 40, 4, 12))
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, None)
+    assert triton_attention.one_key_tile(call, ONE_KEY_TILE)
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90", deterministic=True)
+    resolved = triton_attention.resolve_backward(ONE_KEY_TILE, call, h200)
+    assert resolved.backward_pass_impl == "triton_fused"  # deterministic: no atomics
+    assert triton_attention.resolve_backward(CFG, call, h200).backward_pass_impl == (
+        "triton_split"
+    )  # two key tiles: dQ atomics would contend
+    fused = dataclasses.replace(ONE_KEY_TILE, backward_pass_impl="triton_fused")
+    choice = explain_attention(q, k, v, mask=mask, implementation="triton", config=fused)
+    assert choice.config.backward_pass_impl == "triton_fused"
+    out, grads = check(q, k, v, ct, mask, config=fused)
+    if not isinstance(mask, masks.Causal):  # batch element 1 sees no key
+        assert not np.any(np.asarray(out[1])) and not np.any(np.asarray(grads[0][1]))
+
+
 def test_backward_rule():
     from probjax_eqx.attention_call import AttentionCall
 

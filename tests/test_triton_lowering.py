@@ -78,6 +78,19 @@ def test_attention_kernels_lower(verified_modules, case):
     assert len(verified_modules) >= 2  # forward, and the backward's kernel(s)
 
 
+def test_fused_backward_over_one_key_tile_lowers(verified_modules):
+    """Keys in one dK/dV tile: dQ stored, the skipped query tiles' rows zeroed."""
+    config = triton_attention.TritonAttentionConfig(
+        backward_pass_impl="triton_fused", block_k=64, block_k_dkv=128, block_k_dq=64
+    )
+    f = functools.partial(
+        triton_attention.flash_attention, mask=masks.KVLengths(jnp.array([50, 0])),
+        score_mod=None, scale=0.125, config=config,
+    )  # fmt: skip
+    lower_for_gpu(value_and_grads(f, (0, 1, 2)), *qkv(kv_len=128))
+    assert len(verified_modules) == 2  # forward, the fused backward
+
+
 @pytest.mark.parametrize("heads", [4, 6], ids=["groups_2", "groups_3"])
 def test_group_dkv_lowers(verified_modules, heads):
     """One dK/dV program per KV head, its query heads a block of 2 or 3 (not a power of

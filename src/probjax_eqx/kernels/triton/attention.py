@@ -143,7 +143,8 @@ def smem_bytes(block_q: int, block_k: int, d: int, dv: int, itemsize: int, stage
 
 
 # How "auto" picks the backward, per registry entry: Hopper runs split (the dQ atomics of
-# the fused kernel contend); elsewhere fused when the lengths are balanced.
+# the fused kernel contend) unless the keys fit one dK/dV tile, where the fused kernel
+# stores dQ without atomics; elsewhere fused when the lengths are balanced.
 BACKWARD_RULES = {"sm_90": "triton_split", "generic": "fused_if_balanced"}
 
 
@@ -152,15 +153,33 @@ def _balanced(call: AttentionCall) -> bool:
     return short >= _MIN_BLOCK and long <= 4 * short
 
 
-def _fused_refusal(call: AttentionCall, device: DeviceInfo) -> str | None:
+def kv_padded(kv_len: int, config: TritonAttentionConfig) -> int:
+    """Keys padded to every kernel's key tile."""
+    return _round_up(kv_len, max(config.block_k, config.block_k_dkv, config.block_k_dq))
+
+
+def one_key_tile(call: AttentionCall, config: TritonAttentionConfig) -> bool:
+    """All keys fit one dK/dV tile.
+
+    The fused backward then stores each dQ row whole (no atomics: deterministic) and
+    steps through query tiles of its own size whatever the query length.
+    """
+    return kv_padded(call.kv_len, config) == config.block_k_dkv
+
+
+def _fused_refusal(
+    call: AttentionCall, device: DeviceInfo, config: TritonAttentionConfig
+) -> str | None:
     """Why the fused backward cannot take `call` (`None` when it can)."""
-    if device.atomics_vary:
-        return atomics_refusal("backward_pass_impl='triton_fused' (its dQ)", "'triton_split'")
     if any(n in _PARAMETRIC for n in _tiles.spec_names(call.score_mod)):
         return (
             "backward_pass_impl='triton_fused' has no score-mod parameter gradients (the "
             "split backward's dQ kernel accumulates them): use 'triton_split' or 'auto'"
         )
+    if one_key_tile(call, config):
+        return None
+    if device.atomics_vary:
+        return atomics_refusal("backward_pass_impl='triton_fused' (its dQ)", "'triton_split'")
     if not _balanced(call):
         return (
             f"backward_pass_impl='triton_fused' on {call.q_len} queries x {call.kv_len} keys "
@@ -175,8 +194,8 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
     impl = config.backward_pass_impl
     if impl == "auto":
         rule = BACKWARD_RULES.get(device.registry_key, BACKWARD_RULES["generic"])
-        fused = rule != "triton_split" and not config.group_dkv
-        fused = fused and _fused_refusal(call, device) is None
+        fused = (rule != "triton_split" or one_key_tile(call, config)) and not config.group_dkv
+        fused = fused and _fused_refusal(call, device, config) is None
         impl = "triton_fused" if fused else "triton_split"
     return dataclasses.replace(config, backward_pass_impl=impl)
 
@@ -342,6 +361,10 @@ class _Static:
     @property
     def ctx(self) -> MaskContext:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
+
+    @property
+    def one_key_tile(self) -> bool:
+        return one_key_tile(self.call, self.config)
 
     @property
     def dkv_heads_a_program(self) -> int:
@@ -545,7 +568,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     n_ops = len(st.kinds)
     range_refs, refs = refs[:4], refs[4:]
     fused = st.config.backward_pass_impl == "triton_fused"
-    op_refs, outs = refs[:n_ops], refs[n_ops + fused :]
+    accumulates = fused and not st.one_key_tile  # the zeroed dQ comes in aliased
+    op_refs, outs = refs[:n_ops], refs[n_ops + accumulates :]
     dk_ref, dv_ref = outs[:2]
     j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dkv, st.config.block_k_dkv
@@ -576,14 +600,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
             dp = plt.dot(do, v, trans_b=True)
             ds = p * (dp - row(delta_ref, tile)[:, None]) * slope
             dk = dk + plt.dot(ds.astype(q.dtype), q, trans_a=True)
-            if fused:  # every key tile adds its share of dQ
+            if fused:
                 dq_ref = outs[2]
-                plt.atomic_add(
-                    dq_ref, (tile, pl.ds(0, dq_ref.shape[1])), plt.dot(ds.astype(k.dtype), k)
-                )
+                dq = plt.dot(ds.astype(k.dtype), k)
+                if st.one_key_tile:  # this program's dQ rows are whole: store them
+                    dq_ref[tile, :] = dq.astype(dq_ref.dtype)
+                else:  # every key tile adds its share of dQ
+                    plt.atomic_add(dq_ref, (tile, pl.ds(0, dq_ref.shape[1])), dq)
             return dk, dv
 
-        return _flash.tile_loop(tuple(ref[()] for ref in range_refs), body, carry)
+        ranges = tuple(ref[()] for ref in range_refs)
+        if fused and st.one_key_tile:  # query tiles the loop skips see no key: dQ = 0
+
+            def zero_dq(i, _):
+                outs[2][pl.ds(pl.multiple_of(i * bq, bq), bq), :] = jnp.zeros(
+                    (bq, outs[2].shape[1]), outs[2].dtype
+                )
+
+            jax.lax.fori_loop(0, ranges[0], zero_dq, None)
+            jax.lax.fori_loop(ranges[3], st.q_pad // bq, zero_dq, None)
+        return _flash.tile_loop(ranges, body, carry)
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = head_body(0, init) if groups == 1 else jax.lax.fori_loop(0, groups, head_body, init)
@@ -823,7 +859,9 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     fused = cfg.backward_pass_impl == "triton_fused"
     dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
-    dq_acc = [jnp.zeros(q.shape, jnp.float32)] if fused else []
+    # One key tile: each program stores its query head's dQ; else float32 atomics add up.
+    accumulates = fused and not st.one_key_tile
+    dq_acc = [jnp.zeros(q.shape, jnp.float32)] if accumulates else []
 
     # One program per query head (float32 dK/dV where a group's are summed afterwards),
     # or per KV head looping over its group's query heads (`group_dkv`).
@@ -860,7 +898,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             *_operand_specs(
                 st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, heads=g
             ),
-            *[dq_spec] * fused,
+            *[dq_spec] * accumulates,
         ],
         out_specs=[
             pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0)),
@@ -870,9 +908,9 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         out_shape=[
             jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, d), dkv_dtype(k.dtype)),
             jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, dv), dkv_dtype(v.dtype)),
-            *[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * fused,
+            *[jax.ShapeDtypeStruct(q.shape, jnp.float32 if accumulates else q.dtype)] * fused,
         ],
-        input_output_aliases={n_in: 2} if fused else {},
+        input_output_aliases={n_in: 2} if accumulates else {},
         compiler_params=params,
         interpret=cfg.interpret,
         name="probjax_attention_triton_bwd_fused" if fused else "probjax_attention_triton_bwd_dkv",
@@ -966,7 +1004,7 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     direct = (d_pad, dv_pad) == (call.qk_dim, call.v_dim) and _pow2(pack)
     direct = direct and cfg.block_q % pack == 0
     q_pad = _round_up(call.q_len, max(cfg.block_q, cfg.block_q_dkv, cfg.block_q_dq))
-    kv_pad = _round_up(call.kv_len, max(cfg.block_k, cfg.block_k_dkv, cfg.block_k_dq))
+    kv_pad = kv_padded(call.kv_len, cfg)
     mask_ops, mask_kinds, rebuild_mask = _tiles.split(
         mask, batch=call.batch, heads=call.q_heads, q_pad=q_pad, kv_pad=kv_pad
     )
@@ -1052,7 +1090,7 @@ class TritonAttention:
             "triton", TritonAttentionConfig, config, device, "Pallas Triton needs a GPU"
         )
         if why is None and config is not None and config.backward_pass_impl == "triton_fused":
-            why = _fused_refusal(call, device)
+            why = _fused_refusal(call, device, config)
         return why if why is not None else self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
