@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 33, 35, 34; 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 36 (or 33 and 35), 34; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23.
@@ -37,7 +37,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 35}" in
+case "${1:?stage 1 to 36}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -418,6 +418,23 @@ case "${1:?stage 1 to 35}" in
     suite 200 attention_causal_16k --suite attention --seq 16384 \
       --set causal=True dtype=bfloat16 head_dim=64 \
       --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  36)
+    # One call for what a scarce device must answer first: stage 33 and 35's GPU tests,
+    # then dq_rows at T 4096 hd 128 and the one-key-tile backward at hd 32.
+    gpu_tests 200 -k "dq_rows or one_key_tile"
+    step 200 sweep_dq_rows python3 -m bench.sweep_attention \
+      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
+      --head-dim 128 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    fused='"backward_pass_impl": "triton_fused"'
+    step 100 sweep_one_key_tile python3 -m bench.sweep_attention \
+      --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
+      --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
+      "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}"
+    step 70 sweep_one_key_tile_64 python3 -m bench.sweep_attention \
+      --out "$out/sweep_one_key_tile_64.json" --implementation triton --seq 1024 \
+      --kv-seq 64 --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd \
+      --config '{}' '{"backward_pass_impl": "triton_split"}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
