@@ -60,11 +60,12 @@ class TritonAttentionConfig:
         num_stages: software pipelining depth of the forward.
         num_stages_bwd: software pipelining depth of the backward.
         backward_pass_impl: `"triton_split"` (a dK/dV kernel and a dQ kernel),
-            `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds) or
+            `"triton_fused"` (one kernel: dK/dV per key tile, dQ by atomic adds; over
+            keys that fit one `block_k_dkv` tile, dQ stored without atomics) or
             `"auto"` (`BACKWARD_RULES`). Where the fused one cannot run (score-mod
-            parameter gradients, lengths more than 4x apart, which would shrink its
-            tiles below 16 rows, or deterministic ops) `"auto"` runs split and an
-            explicit fused request is refused with the reason.
+            parameter gradients; over several key tiles, lengths more than 4x apart,
+            which would shrink its tiles below 16 rows, or deterministic ops) `"auto"`
+            runs split and an explicit fused request is refused with the reason.
         num_splits: split the keys of each query tile over this many forward programs
             (flash-decoding); their partial outputs merge exactly by log-sum-exp. For
             few queries over long KV, where query tiles alone leave the GPU idle.
