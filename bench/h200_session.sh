@@ -421,20 +421,20 @@ case "${1:?stage 1 to 36}" in
     ;;
   36)
     # One call for what a scarce device must answer first: stage 33 and 35's GPU tests,
-    # then dq_rows at T 4096 hd 128 and the one-key-tile backward at hd 32.
-    gpu_tests 200 -k "dq_rows or one_key_tile"
-    step 200 sweep_dq_rows python3 -m bench.sweep_attention \
-      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
-      --head-dim 128 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    # then the one-key-tile backward at hd 32 and dq_rows at T 4096 hd 128.
+    gpu_tests 170 -k "dq_rows or one_key_tile"
     fused='"backward_pass_impl": "triton_fused"'
-    step 100 sweep_one_key_tile python3 -m bench.sweep_attention \
+    step 90 sweep_one_key_tile python3 -m bench.sweep_attention \
       --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
       --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
       "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}"
-    step 70 sweep_one_key_tile_64 python3 -m bench.sweep_attention \
+    step 60 sweep_one_key_tile_64 python3 -m bench.sweep_attention \
       --out "$out/sweep_one_key_tile_64.json" --implementation triton --seq 1024 \
       --kv-seq 64 --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd \
       --config '{}' '{"backward_pass_impl": "triton_split"}'
+    step 200 sweep_dq_rows python3 -m bench.sweep_attention \
+      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
+      --head-dim 128 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
