@@ -37,7 +37,7 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
-case "${1:?stage 1 to 36}" in
+case "${1:?stage 1 to 37}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -435,6 +435,16 @@ case "${1:?stage 1 to 36}" in
     step 200 sweep_dq_rows python3 -m bench.sweep_attention \
       --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
       --head-dim 128 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    ;;
+  37)
+    # Stage 36's first half for a call of under 250 s: the one-key-tile backward's GPU
+    # tests and its timing at hd 32.
+    WORKERS=4 gpu_tests 100 -k one_key_tile
+    fused='"backward_pass_impl": "triton_fused"'
+    step 90 sweep_one_key_tile python3 -m bench.sweep_attention \
+      --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
+      --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
+      "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
