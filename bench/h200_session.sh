@@ -38,6 +38,27 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
 }
+sweep_dq_rows() {  # sweep_dq_rows SECONDS HEAD_DIMS: Mosaic fwd+bwd with and without dq_rows
+  step "$1" sweep_dq_rows python3 -m bench.sweep_attention \
+    --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
+    --head-dim $2 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+}
+# The Triton backward on set-transformer shapes (64 sets x 4 heads, 1024 queries):
+# sweep_set_bwd SECONDS NAME KEYS HEAD_DIMS CONFIGS...
+sweep_set_bwd() {
+  local limit=$1 name=$2 keys=$3 dims=$4
+  shift 4
+  step "$limit" "$name" python3 -m bench.sweep_attention --out "$out/$name.json" \
+    --implementation triton --seq 1024 --kv-seq "$keys" --batch 64 --heads 4 \
+    --head-dim $dims --causal 0 --part bwd --config "$@"
+}
+fused='"backward_pass_impl": "triton_fused"'
+one_key_tile=("{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}")
+attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDNN routes
+  suite 200 attention_causal_16k --suite attention --seq 16384 \
+    --set causal=True dtype=bfloat16 head_dim=64 \
+    --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+}
 case "${1:?stage 1 to 37}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
@@ -385,17 +406,13 @@ case "${1:?stage 1 to 37}" in
     # without it, causal and not, hd 128 and 64, at T 4096 (T 16384's compiles and runs
     # took 80 s a config in run 86: a stage of their own).
     gpu_tests 230 -k dq_rows
-    step 330 sweep_dq_rows python3 -m bench.sweep_attention \
-      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
-      --head-dim 128 64 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    sweep_dq_rows 330 "128 64"
     ;;
   34)
     # Our default at T 16384 hd 64 causal, which the causal regime sends to Mosaic since
     # 6034ad7 (run 83's auto row there was cuDNN's 8.94 ms), beside both cuDNN routes;
     # then `dq_rows` at T 16384 hd 128 (run 86: 15.02 ms causal, cuDNN 14.61).
-    suite 200 attention_causal_16k --suite attention --seq 16384 \
-      --set causal=True dtype=bfloat16 head_dim=64 \
-      --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    attention_causal_16k
     step 340 sweep_dq_rows_16k python3 -m bench.sweep_attention \
       --out "$out/sweep_dq_rows_16k.json" --implementation mosaic --seq 16384 \
       --head-dim 128 --causal 1 0 --part bwd --config '{}' '{"dq_rows": true}'
@@ -406,46 +423,24 @@ case "${1:?stage 1 to 37}" in
     # 64 sets x 4 heads, 1024 queries over 128 keys, hd 32: 0.157 ms vs our 0.164), and
     # over 64 keys, where "auto" now fuses; then stage 34's first step.
     WORKERS=4 gpu_tests 150 -k "one_key_tile or triton_fused"
-    fused='"backward_pass_impl": "triton_fused"'
-    step 200 sweep_one_key_tile python3 -m bench.sweep_attention \
-      --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
-      --batch 64 --heads 4 --head-dim 32 64 --causal 0 --part bwd --config '{}' \
-      "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}" \
+    sweep_set_bwd 200 sweep_one_key_tile 128 "32 64" '{}' "${one_key_tile[@]}" \
       "{\"block_k_dkv\": 128, \"block_q_dkv\": 32, $fused}"
-    step 120 sweep_one_key_tile_64 python3 -m bench.sweep_attention \
-      --out "$out/sweep_one_key_tile_64.json" --implementation triton --seq 1024 \
-      --kv-seq 64 --batch 64 --heads 4 --head-dim 32 64 --causal 0 --part bwd \
-      --config '{}' '{"backward_pass_impl": "triton_split"}'
-    suite 200 attention_causal_16k --suite attention --seq 16384 \
-      --set causal=True dtype=bfloat16 head_dim=64 \
-      --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    sweep_set_bwd 120 sweep_one_key_tile_64 64 "32 64" '{}' '{"backward_pass_impl": "triton_split"}'
+    attention_causal_16k
     ;;
   36)
     # One call for what a scarce device must answer first: stage 33 and 35's GPU tests,
     # then the one-key-tile backward at hd 32 and dq_rows at T 4096 hd 128.
     gpu_tests 170 -k "dq_rows or one_key_tile"
-    fused='"backward_pass_impl": "triton_fused"'
-    step 90 sweep_one_key_tile python3 -m bench.sweep_attention \
-      --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
-      --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
-      "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}"
-    step 60 sweep_one_key_tile_64 python3 -m bench.sweep_attention \
-      --out "$out/sweep_one_key_tile_64.json" --implementation triton --seq 1024 \
-      --kv-seq 64 --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd \
-      --config '{}' '{"backward_pass_impl": "triton_split"}'
-    step 200 sweep_dq_rows python3 -m bench.sweep_attention \
-      --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
-      --head-dim 128 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
+    sweep_set_bwd 90 sweep_one_key_tile 128 32 '{}' "${one_key_tile[@]}"
+    sweep_set_bwd 60 sweep_one_key_tile_64 64 32 '{}' '{"backward_pass_impl": "triton_split"}'
+    sweep_dq_rows 200 128
     ;;
   37)
     # Stage 36's first half for a call of under 250 s: the one-key-tile backward's GPU
     # tests and its timing at hd 32.
     WORKERS=4 gpu_tests 100 -k one_key_tile
-    fused='"backward_pass_impl": "triton_fused"'
-    step 90 sweep_one_key_tile python3 -m bench.sweep_attention \
-      --out "$out/sweep_one_key_tile.json" --implementation triton --seq 1024 --kv-seq 128 \
-      --batch 64 --heads 4 --head-dim 32 --causal 0 --part bwd --config '{}' \
-      "{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}"
+    sweep_set_bwd 90 sweep_one_key_tile 128 32 '{}' "${one_key_tile[@]}"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
