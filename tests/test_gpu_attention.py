@@ -207,8 +207,9 @@ def test_triton_fused_backward_over_one_key_tile_on_gpu(getkey, kv_len, block_k_
     ct = jax.random.normal(getkey(), q.shape)
     mask = masks.KVLengths(jnp.array([kv_len - 7, 0]))
     choice = explain_attention(q, k, v, mask=mask, implementation="triton")
-    config = dataclasses.replace(choice.config, block_k_dkv=block_k_dkv)
-    config = dataclasses.replace(config, backward_pass_impl="triton_fused")
+    config = dataclasses.replace(
+        choice.config, block_k_dkv=block_k_dkv, backward_pass_impl="triton_fused"
+    )
     f = lambda q, k, v: dot_product_attention(
         q, k, v, mask=mask, implementation="triton", config=config
     )
