@@ -5,11 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 36 (or 37 for a short call; 33 and 35 hold the same
-# and more), 34; 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 37; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
-# ran 32, 1 and 23.
+# ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
+# and half of 37.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -37,11 +37,6 @@ sweep_mosaic_bwd() {  # the backward configs at T 4096 (run 16: fwd+bwd 2.82 ms 
   step 330 sweep_mosaic_bwd python3 -m bench.sweep_attention \
     --out "$out/sweep_mosaic_bwd.json" --implementation mosaic --seq 4096 \
     --head-dim 128 --causal 0 1 --part bwd
-}
-sweep_dq_rows() {  # sweep_dq_rows SECONDS HEAD_DIMS: Mosaic fwd+bwd with and without dq_rows
-  step "$1" sweep_dq_rows python3 -m bench.sweep_attention \
-    --out "$out/sweep_dq_rows.json" --implementation mosaic --seq 4096 \
-    --head-dim $2 --causal 0 1 --part bwd --config '{}' '{"dq_rows": true}'
 }
 # The Triton backward on set-transformer shapes (64 sets x 4 heads, 1024 queries):
 # sweep_set_bwd SECONDS NAME KEYS HEAD_DIMS CONFIGS...
@@ -400,28 +395,17 @@ case "${1:?stage 1 to 37}" in
     step 250 sweep_decode python3 -m bench.sweep_decode --out "$out/sweep_decode.json" \
       --shape 1,32768,32 1,131072,32 8,131072,8 8,131072,32 --programs 132 264 528 1056
     ;;
-  33)
-    # `dq_rows` (fused_dq's accumulator laid out as dQ, so that XLA casts it instead of
-    # transposing dQ^T: 42.7 us in run 66) under its GPU tests, then fwd+bwd with and
-    # without it, causal and not, hd 128 and 64, at T 4096 (T 16384's compiles and runs
-    # took 80 s a config in run 86: a stage of their own).
-    gpu_tests 230 -k dq_rows
-    sweep_dq_rows 330 "128 64"
-    ;;
   34)
     # Our default at T 16384 hd 64 causal, which the causal regime sends to Mosaic since
-    # 6034ad7 (run 83's auto row there was cuDNN's 8.94 ms), beside both cuDNN routes;
-    # then `dq_rows` at T 16384 hd 128 (run 86: 15.02 ms causal, cuDNN 14.61).
+    # 6034ad7 (run 83's auto row there was cuDNN's 8.94 ms), beside both cuDNN routes.
+    # Run 88 ran it, then Mosaic's `dq_rows` (removed after runs 87-88: slower).
     attention_causal_16k
-    step 340 sweep_dq_rows_16k python3 -m bench.sweep_attention \
-      --out "$out/sweep_dq_rows_16k.json" --implementation mosaic --seq 16384 \
-      --head-dim 128 --causal 1 0 --part bwd --config '{}' '{"dq_rows": true}'
     ;;
   35)
     # The Triton fused backward over one key tile (dQ stored, no atomics) under its GPU
     # tests, then fwd+bwd on the set-transformer shapes where torch flash led (run 76:
     # 64 sets x 4 heads, 1024 queries over 128 keys, hd 32: 0.157 ms vs our 0.164), and
-    # over 64 keys, where "auto" now fuses; then stage 34's first step.
+    # over 64 keys, where "auto" now fuses; then stage 34.
     WORKERS=4 gpu_tests 150 -k "one_key_tile or triton_fused"
     sweep_set_bwd 200 sweep_one_key_tile 128 "32 64" '{}' "${one_key_tile[@]}" \
       "{\"block_k_dkv\": 128, \"block_q_dkv\": 32, $fused}"
@@ -429,18 +413,25 @@ case "${1:?stage 1 to 37}" in
     attention_causal_16k
     ;;
   36)
-    # One call for what a scarce device must answer first: stage 33 and 35's GPU tests,
-    # then the one-key-tile backward at hd 32 and dq_rows at T 4096 hd 128.
-    gpu_tests 170 -k "dq_rows or one_key_tile"
-    sweep_set_bwd 90 sweep_one_key_tile 128 32 '{}' "${one_key_tile[@]}"
-    sweep_set_bwd 60 sweep_one_key_tile_64 64 32 '{}' '{"backward_pass_impl": "triton_split"}'
-    sweep_dq_rows 200 128
-    ;;
-  37)
-    # Stage 36's first half for a call of under 250 s: the one-key-tile backward's GPU
-    # tests and its timing at hd 32.
+    # Runs 87 and 89: the one-key-tile GPU tests, the one-key-tile backward at hd 32 over
+    # 128 and 64 keys (run 87, with Mosaic's since removed dq_rows), then 128 keys at
+    # hd 64 and 32 again (run 89), after which hd <= 32 took 128-key dK/dV tiles.
     WORKERS=4 gpu_tests 100 -k one_key_tile
     sweep_set_bwd 90 sweep_one_key_tile 128 32 '{}' "${one_key_tile[@]}"
+    sweep_set_bwd 60 sweep_one_key_tile_64 64 32 '{}' '{"backward_pass_impl": "triton_split"}'
+    sweep_set_bwd 90 sweep_one_key_tile_hd64 128 "64 32" '{}' "${one_key_tile[0]}" \
+      "{\"block_k_dkv\": 128, \"block_q_dkv\": 32, $fused}"
+    ;;
+  37)
+    # Run 90 and what should follow it: the set-transformer shapes (64 sets x 4 heads,
+    # 128 <-> 1024 elements, hd 32) on the new default beside torch SDPA, whose times
+    # there vary 2x between runs (flash fwd+bwd at 1024 queries over 128 keys: 0.230,
+    # 0.157, 0.301 ms in runs 70, 76, 90), so twice in one call; then the Triton GPU tests.
+    for i in 1 2; do
+      suite 120 "set_transformer_$i" --suite set_transformer --set elements=1024 \
+        --only "probjax auto" "probjax triton" "torch sdpa flash" "torch sdpa cudnn" "isab auto"
+    done
+    WORKERS=4 gpu_tests 200 -k "triton and not lowers"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -315,8 +315,6 @@ MOSAIC_SCHEDULES["fa3_approx_math"] = dict(MOSAIC_SCHEDULES["fa3"], approx_math=
 # in groups of 3, their order remapped in the kernel (`launch_group`).
 MOSAIC_SCHEDULES["fa3_launch_group_1"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=1)
 MOSAIC_SCHEDULES["fa3_launch_group_3"] = dict(MOSAIC_SCHEDULES["fa3"], launch_group=3)
-# dQ's float32 accumulator laid out as dQ (`dq_rows`): dS^T read transposed.
-MOSAIC_SCHEDULES["fa3_dq_rows"] = dict(MOSAIC_SCHEDULES["fa3"], dq_rows=True)
 
 
 @pytest.mark.parametrize("schedule", MOSAIC_SCHEDULES)

@@ -117,31 +117,24 @@ def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
 
 
 @pytest.mark.parametrize(
-    "qk_dim, num_stages, lengths, dq_rows",
+    "qk_dim, num_stages, lengths",
     [
         # One 64-row block of dQ^T, the warpgroups' in turns. Two query heads over one KV
         # head (steps carry on across GQA members); under jax.vmap, an example with no
         # keys and one with a half-empty second key program.
-        (16, 1, (0, 170), False),
+        (16, 1, (0, 170)),
         # Two blocks, one each; masked tiles at both ends of the dK/dV programs' loops.
-        (72, 2, None, False),
-        # The accumulator laid out as dQ: one block in turns; then three (head dim 192),
-        # two of them (two products and reductions) for the warpgroup whose turn it is.
-        (16, 1, (0, 170), True),
-        (136, 2, None, True),
+        (72, 2, None),
     ],
 )
-def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths, dq_rows):
+def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths):
     """fused_dq: dQ's products in the dK/dV program, both warpgroups' dS^T through shared
-    memory, dQ^T's (`dq_rows`: dQ's) shares added up outside (interpreted: per-program
-    buffers)."""
+    memory, dQ^T's shares added up outside (interpreted: per-program buffers)."""
     batch = 1 if lengths is None else len(lengths)
     q, k, v = make_qkv(getkey(), batch=batch, q_len=150, kv_len=200, q_heads=2, kv_heads=1,
                        qk_dim=qk_dim, v_dim=16, dtype=jnp.bfloat16)  # fmt: skip
     ct = jax.random.normal(getkey(), (batch, 150, 2, 16))
-    config = dataclasses.replace(
-        CFG, block_k_dkv=128, fused_dq=True, dq_rows=dq_rows, num_stages=num_stages
-    )
+    config = dataclasses.replace(CFG, block_k_dkv=128, fused_dq=True, num_stages=num_stages)
     # The kernels themselves: the staged (interpreted) layout at head dim 128 exceeds the
     # GPU's shared memory, which the interpreter does not have.
     attend = functools.partial(mosaic_attention.flash_attention, score_mod=None,
@@ -257,10 +250,6 @@ def test_refusals_name_the_reason(getkey):
         dataclasses.replace(CFG, pingpong=True)
     with pytest.raises(ValueError, match="fused_dq needs block_k_dkv=128"):
         dataclasses.replace(CFG, fused_dq=True)
-    with pytest.raises(ValueError, match="dq_rows .* needs fused_dq=True"):
-        dataclasses.replace(CFG, dq_rows=True)
-    with pytest.raises(ValueError, match="dq_rows needs transposed_views on the GPU"):
-        MosaicAttentionConfig(block_k_dkv=128, fused_dq=True, dq_rows=True)
     with pytest.raises(ValueError, match="p_in_registers needs the GPU"):
         dataclasses.replace(CFG, p_in_registers=True)
     if not JAX_011:

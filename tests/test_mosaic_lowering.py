@@ -62,8 +62,6 @@ CASES = {
         dict(launch_group=3, block_k_dkv=128),
         # FA3's backward register split: 24 registers for the TMA warpgroup.
         dict(fused_dq=True, block_k_dkv=128, backward_memory_registers=24, **FA3_GPU),
-        # dQ's accumulator laid out as dQ: dS^T transposed as the products' left operand.
-        dict(fused_dq=True, dq_rows=True, block_k_dkv=128, **FA3_GPU),
     ],
 )
 def test_attention_kernels_lower(mask, tuned):
@@ -146,21 +144,6 @@ def test_fused_dq_lowers_under_vmap_at_head_dim_128():
     )  # fmt: skip
     lowered = lower_value_and_grads(jax.vmap(jax.vmap(f)), (0, 1, 2), q, k, v)
     assert "mosaic_gpu" in lowered and "output_operand_alias" in lowered
-
-
-def test_dq_rows_lowers_at_head_dim_128():
-    """`dq_rows` where the warpgroups split dQ's columns evenly (at head dim 64 they
-    take the one block in turns: `test_attention_kernels_lower`). Wider heads, whose
-    shares take several 64-column products, leave no shared memory for `fused_dq`."""
-    config = mosaic_attention.MosaicAttentionConfig(
-        fused_dq=True, dq_rows=True, block_k_dkv=128, **FA3_GPU
-    )
-    q = k = v = jnp.ones((2, 130, 2, 128), jnp.bfloat16)
-    f = functools.partial(
-        mosaic_attention.flash_attention, mask=masks.Causal(), score_mod=None, scale=0.125,
-        config=config,
-    )  # fmt: skip
-    assert "mosaic_gpu" in lower_value_and_grads(f, (0, 1, 2), q, k, v)
 
 
 def test_fused_dq_shared_memory_is_counted_as_mosaic_counts_it():

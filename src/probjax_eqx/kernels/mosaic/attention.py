@@ -146,13 +146,12 @@ class MosaicAttentionConfig:
             the extra one in turns, a step each. Needs `block_k_dkv=128`.
             Interpreted, each program writes its shares to a buffer of its own, summed
             by XLA: jax 0.10's interpreter has no TMA reductions. `default_config` turns
-            it on for the GPU up to `_FUSED_DQ_MAX_BYTES` of reductions a head.
-        dq_rows: `fused_dq`'s float32 accumulator laid out as dQ, `[batch, q, heads,
-            dim]`, instead of dQ^T: XLA then only casts it to the input dtype, where it
-            transposes dQ^T (42.7 us of a 2.06 ms fwd+bwd at B4 H8 T4096 hd128 on the
-            H100, ncu run 66). Each warpgroup's products take dS^T transposed (a view of
-            the pair's staged dS^T; interpreted without views, a staged copy of dS) and
-            64 columns of K at a time. Off until timed on the GPU.
+            it on for the GPU up to `_FUSED_DQ_MAX_BYTES` of reductions a head. The
+            accumulator laid out as dQ instead of dQ^T (so that XLA casts it rather than
+            transposing it, 42.7 us of a 2.06 ms fwd+bwd, ncu run 66), its products
+            taking dS^T transposed, 64 columns of K at a time, was slower on the H100
+            (run 87-88, B4 H8 hd128 fwd+bwd, non-causal / causal): T4096 2.07 -> 2.10,
+            1.15 -> 1.22 ms; T16384 30.4 -> 31.2, 15.4 -> 17.0 ms. Removed.
         launch_group: the order in which each kernel's programs launch (Mosaic GPU
             launches a grid's last axis fastest). None: tile by tile over every (batch,
             head) pair, so that a wave spans all heads and, under causal masks, every
@@ -188,7 +187,6 @@ class MosaicAttentionConfig:
     p_in_registers: bool = False
     transposed_views: bool = False
     fused_dq: bool = False
-    dq_rows: bool = False
     launch_group: int | None = None
     approx_math: bool = False
     interpret: bool = False
@@ -208,13 +206,6 @@ class MosaicAttentionConfig:
             raise ValueError(
                 "fused_dq needs block_k_dkv=128: the dK/dV program's two compute "
                 "warpgroups split dQ's products"
-            )
-        if self.dq_rows and not self.fused_dq:
-            raise ValueError("dq_rows lays out fused_dq's accumulator: it needs fused_dq=True")
-        if self.dq_rows and not (self.transposed_views or self.interpret):
-            raise ValueError(
-                "dq_rows needs transposed_views on the GPU: its products read dS^T "
-                "transposed in shared memory"
             )
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
@@ -310,8 +301,7 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
         plgpu.SMEM((stages, bq), jnp.float32),
         plgpu.SMEM((stages, bq), jnp.float32),
     ]
-    kt = cfg.fused_dq and not (views or cfg.dq_rows)
-    own_tiles = 2 + n_kv_pos + int(kt)  # K, V, ids (and K^T)
+    own_tiles = 2 + n_kv_pos + int(cfg.fused_dq and not views)  # K, V, ids (and K^T)
     return [
         swizzled((*keys, d), dtype),
         swizzled((*keys, dv), dtype),
@@ -332,21 +322,14 @@ def _fused_dq_scratch(cfg: MosaicAttentionConfig, d, dtype):
 
     dS^T of both warpgroups, double-buffered by step parity (a warpgroup writes step
     n + 1's while the other still reads step n's); dQ^T's float32 staging for the TMA
-    reductions (`dq_rows`: dQ's, in blocks of 64 columns); without views, what they
-    would show: K^T (`dq_rows`: dS, double-buffered as dS^T); interpreted, the
-    warpgroups' meeting point (on the GPU a named barrier).
+    reductions; without views, K^T; interpreted, the warpgroups' meeting point (on the
+    GPU a named barrier).
     """
-    bq, rows = cfg.block_q_dkv, _fused_dq_rows(d)
-    if cfg.dq_rows:
-        stage = swizzled((2, rows // _WG_ROWS, bq, _WG_ROWS), jnp.float32)
-        unviewed = swizzled((2, 2, bq, _WG_ROWS), dtype)
-    else:
-        stage = swizzled((2, rows, bq), jnp.float32)
-        unviewed = swizzled((2, d, _WG_ROWS), dtype)
+    bq = cfg.block_q_dkv
     return [
         swizzled((2, 2, _WG_ROWS, bq), dtype),
-        stage,
-        *([] if cfg.transposed_views else [unviewed]),
+        swizzled((2, _fused_dq_rows(d), bq), jnp.float32),
+        *([] if cfg.transposed_views else [swizzled((2, d, _WG_ROWS), dtype)]),
         *([plgpu.Barrier(num_arrivals=2, num_barriers=2)] if cfg.interpret else []),
     ]
 
@@ -1072,29 +1055,24 @@ class _FusedDq:
 
     dQ^T[rows] = K^T[rows] dS^T over the program's 128 keys: each warpgroup takes about
     half the head dim's rows (`add_dq`), both warpgroups' dS^T (`pair_ds_t.at[parity]`)
-    and both halves of K^T, and adds its float32 share to `dest(first row, rows)` by a
-    TMA reduction (interpreted: a plain copy to the program's own buffer). `dq_rows`:
-    dQ[:, cols] = dS K[:, cols] instead, 64 columns a product and reduction.
-    `operands(half, first row, rows)` are a product's for one half of the keys.
-    `pair_ds`: dS's staged copy (`dq_rows` interpreted without views), else None.
+    and both halves of K^T (`kt_of(half, rows)`: `[rows, 64 keys]`), and adds its float32
+    share to `dest(first row, rows)` by a TMA reduction (interpreted: a plain copy to the
+    program's own buffer).
     """
 
     st: _Static
     wg: Any
     parity: Any
     pair_ds_t: Any
-    pair_ds: Any
     dq_stage: Any
-    operands: Any
+    kt_of: Any
     dest: Any
     pair_bar: Any
 
     def stage(self, ds_t):
-        """This warpgroup's dS^T into the pair's SMEM: dQ's products' operand."""
+        """This warpgroup's dS^T into the pair's SMEM: dQ's right operand."""
         part = self.pair_ds_t.at[self.parity, self.wg]
         part[...] = ds_t
-        if self.pair_ds is not None:
-            self.pair_ds.at[self.parity, self.wg][...] = ds_t.T
         plgpu.commit_smem()
         return part
 
@@ -1113,29 +1091,22 @@ class _FusedDq:
             pl.when(jnp.logical_not(leads))(lambda: self._add_rows(lead, d - lead))
 
     def _add_rows(self, r0, m):
-        """dQ^T's rows r0 .. r0 + m (dQ's columns): their products, then reductions."""
-        cfg = self.st.config
-        blocks = [(r0 + c, _WG_ROWS) for c in range(0, m, _WG_ROWS)] if cfg.dq_rows else [(r0, m)]
-        for n, (c0, width) in enumerate(blocks):
+        """dQ^T's rows r0 .. r0 + m: their products, then their TMA reduction."""
 
-            def product(acc, c0=c0, width=width):
-                for half in range(2):
-                    plgpu.wgmma(acc, *self.operands(half, c0, width))
-                plgpu.wgmma_wait(0)
-                return acc[...]
+        def product(acc):
+            for half in range(2):
+                kt = self.kt_of(half, pl.ds(r0, m))
+                plgpu.wgmma(acc, kt, self.pair_ds_t.at[self.parity, half])
+            plgpu.wgmma_wait(0)
+            return acc[...]
 
-            shape = (cfg.block_q_dkv, width) if cfg.dq_rows else (width, cfg.block_q_dkv)
-            share = pl.run_scoped(product, ACC(shape, jnp.float32))
-            if cfg.dq_rows:
-                stage = self.dq_stage.at[self.wg, n]
-            else:
-                stage = self.dq_stage.at[self.wg, pl.ds(0, width)]
-            if n == 0:  # the last step's copies from these buffers are read
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            stage[...] = share
-            plgpu.commit_smem()
-            reduce = None if cfg.interpret else "add"
-            plgpu.copy_smem_to_gmem(stage, self.dest(c0, width), reduction_op=reduce)
+        dq_t = pl.run_scoped(product, ACC((m, self.st.config.block_q_dkv), jnp.float32))
+        stage = self.dq_stage.at[self.wg, pl.ds(0, m)]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's is read
+        stage[...] = dq_t
+        plgpu.commit_smem()
+        reduce = None if self.st.config.interpret else "add"
+        plgpu.copy_smem_to_gmem(stage, self.dest(r0, m), reduction_op=reduce)
 
 
 def _meet(pair_bar, parity):
@@ -1257,11 +1228,9 @@ def _dkv_kernel(*refs, st, rebuild):
     views, fused_dq = cfg.transposed_views, cfg.fused_dq
     rest = refs[12 + n_ops :]
     kt_ref: Any = None
-    kt_smem: Any = None
-    pair_ds: Any = None
-    dq_ref: Any = None
-    if fused_dq:  # K^T's source (`_transposed_source`), dQ^T's (dQ's) float32 accumulator
-        kt_ref, dq_ref, *rest = rest
+    dq_t_ref: Any = None
+    if fused_dq:  # K^T's source (`_transposed_source`), dQ^T's float32 accumulator
+        kt_ref, dq_t_ref, *rest = rest
     dk_ref, dv_ref, *rest = rest
     if views:  # Q^T and dO^T are views of Q's and dO's tiles
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, bars, *rest = rest
@@ -1279,8 +1248,7 @@ def _dkv_kernel(*refs, st, rebuild):
         n_fused = len(_fused_dq_scratch(cfg, st.d, k_smem.dtype))
         fused_bufs, rest = rest[len(rest) - n_fused :], rest[: len(rest) - n_fused]
         pair_ds_t, dq_stage, *fused_bufs = fused_bufs
-        unviewed = None if views else fused_bufs.pop(0)  # K^T, or (dq_rows) dS
-        kt_smem, pair_ds = (None, unviewed) if cfg.dq_rows else (unviewed, None)
+        kt_smem: Any = None if views else fused_bufs.pop(0)
         pair_bar = fused_bufs[0] if fused_bufs else None
     free, pos = (rest[0], rest[1:]) if cfg.block_k_dkv > _WG_ROWS else (None, rest)
     # Segment ids: the program's own key ids, and a ring of query ids per step.
@@ -1301,26 +1269,17 @@ def _dkv_kernel(*refs, st, rebuild):
         return _query_tile_views(sources, id_refs, b, query_head(g), pl.ds(i * bq, bq), views)
 
     def fused_step(wg, n, i, h):
+        if views:
+            kt_of = lambda half, rows: k_smem.at[half, :, rows].T  # noqa: E731
+        else:
+            kt_of = lambda half, rows: kt_smem.at[half, rows]  # noqa: E731
+        cols = pl.ds(i * bq, bq)
+        if cfg.interpret:  # the program's own buffer (no TMA reductions to interpret)
+            dest = lambda r0, m: dq_t_ref.at[b, j, h, pl.ds(r0, m), cols]  # noqa: E731
+        else:
+            dest = lambda r0, m: dq_t_ref.at[b, h, pl.ds(r0, m), cols]  # noqa: E731
         parity = lax.rem(n, 2)
-        queries = pl.ds(i * bq, bq)
-        # Interpreted, the program's own buffer (no TMA reductions to interpret).
-        own = (b, j) if cfg.interpret else (b,)
-
-        def dq_operands(half, c0, m):  # dQ[:, cols] = dS K[:, cols]
-            ds = pair_ds_t.at[parity, half].T if views else pair_ds.at[parity, half]
-            return ds, k_smem.at[half, :, pl.ds(c0, m)]
-
-        def dq_t_operands(half, r0, m):  # dQ^T[rows] = K^T[rows] dS^T
-            kt = k_smem.at[half, :, pl.ds(r0, m)].T if views else kt_smem.at[half, pl.ds(r0, m)]
-            return kt, pair_ds_t.at[parity, half]
-
-        def dest(first, m):
-            if cfg.dq_rows:
-                return dq_ref.at[(*own, queries, h, pl.ds(first, m))]
-            return dq_ref.at[(*own, h, pl.ds(first, m), queries)]
-
-        operands = dq_operands if cfg.dq_rows else dq_t_operands
-        return _FusedDq(st, wg, parity, pair_ds_t, pair_ds, dq_stage, operands, dest, pair_bar)
+        return _FusedDq(st, wg, parity, pair_ds_t, dq_stage, kt_of, dest, pair_bar)
 
     def compute(loop, wg):
         part, bar_of = _own_part(wg)
@@ -1338,7 +1297,7 @@ def _dkv_kernel(*refs, st, rebuild):
         def _():
             copies = [(k_ref.at[b, keys, kv_h], tiles[0]), (v_ref.at[b, keys, kv_h], tiles[1])]
             copies += [(op_refs[k].at[b, keys], buf) for k, buf in own]
-            if kt_smem is not None:
+            if fused_dq and not views:
                 copies.append((kt_ref.at[b, kv_h, :, keys], part(kt_smem)))
             for n, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, kv_bar.at[bar_of(n)])
@@ -1524,19 +1483,17 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     inputs = (q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
     dkv_kernel = functools.partial(_dkv_kernel, st=st, rebuild=rebuild)
     if cfg.fused_dq:
-        # dQ^T in float32, `[batch, heads, d, q]` (`dq_rows`: dQ, `[batch, q, heads, d]`);
-        # interpreted, one per dK/dV program.
+        # dQ^T in float32, `[batch, heads, d, q]`; interpreted, one per dK/dV program.
         programs = (st.kv_pad // bk,) if cfg.interpret else ()
-        layout = (st.q_pad, heads, st.d) if cfg.dq_rows else (heads, st.d, st.q_pad)
-        accumulator = jax.ShapeDtypeStruct((batch, *programs, *layout), jnp.float32)
-        dk, dv, acc = accumulating_kernel(
+        accumulator = jax.ShapeDtypeStruct((batch, *programs, heads, st.d, st.q_pad), jnp.float32)
+        dk, dv, dq_t = accumulating_kernel(
             dkv_kernel, out_type=out_type, accumulator=accumulator, scratch_types=scratch,
             grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name,
             compiler_params=_compiler_params(cfg), interpret=interpret,
-        )(*inputs, k if cfg.dq_rows else t(k))  # fmt: skip
+        )(*inputs, t(k))  # fmt: skip
         if cfg.interpret:
-            acc = acc.sum(axis=1)
-        dq = (acc if cfg.dq_rows else jnp.transpose(acc, (0, 3, 1, 2))).astype(dtype)
+            dq_t = dq_t.sum(axis=1)
+        dq = jnp.transpose(dq_t, (0, 3, 1, 2)).astype(dtype)
     else:
         dk, dv = plgpu.kernel(
             dkv_kernel, out_type=out_type, scratch_types=scratch, grid=grid,
