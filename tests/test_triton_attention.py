@@ -292,6 +292,20 @@ def test_backward_rule():
         pinned.select(skewed, FUSED)
     assert pinned.select(square, FUSED).config.backward_pass_impl == "triton_fused"
     assert triton_attention.default_config(square, h200).backward_pass_impl == "triton_split"
+
+    # 65..128 keys: one 128-key dK/dV tile at 16-bit hd <= 32 (fused, dQ stored), two
+    # 64-key tiles (split) at hd 64 or in float32, where the wide tile was not faster.
+    def default(kv_len, dim, dtype="bfloat16"):
+        call = AttentionCall(64, 1024, kv_len, 4, 4, dim, dim, dtype)
+        config = triton_attention.default_config(call, h200)
+        return config.block_k_dkv, config.backward_pass_impl
+
+    assert default(128, 32) == (128, "triton_fused")
+    assert default(100, 16) == (128, "triton_fused")
+    assert default(64, 32) == (64, "triton_fused")
+    assert default(129, 32) == (64, "triton_split")
+    assert default(128, 64) == (64, "triton_split")
+    assert default(128, 32, "float32") == (64, "triton_split")
     with pytest.raises(TypeError, match="takes a TritonAttentionConfig"):
         dot_product_attention(
             *make_qkv(jax.random.key(0)), implementation="triton", config=object()

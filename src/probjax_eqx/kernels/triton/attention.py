@@ -237,11 +237,16 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # through dQ): with 32 x 256 float32 tiles the backward spilled, 359 ms fwd+bwd at
     # hd 256, T=4096 vs 51 ms (H200 sweep, run 26).
     step = 16 if itemsize == 4 and d > 128 else bwd
+    # 65..128 keys at 16-bit heads of <= 32 dims fit one 128-key dK/dV tile, so the fused
+    # backward stores dQ without atomics: 0.161 / 0.157 ms fwd+bwd vs 0.170 / 0.171 split
+    # (H100 runs 87 / 89: 64 sets x 4 heads, 1024 queries over 128 keys, hd 32). At hd 64
+    # that tile was slower (0.367 vs 0.241 split, run 89).
+    wide_dkv = itemsize == 2 and d <= 32 and bwd < call.kv_len <= 128
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
         block_q_dkv=fit(step, call.q_len),
-        block_k_dkv=fit(bwd, call.kv_len),
+        block_k_dkv=128 if wide_dkv else fit(bwd, call.kv_len),
         block_q_dq=fit(bwd, call.q_len),
         block_k_dq=fit(step, call.kv_len),
         num_warps=4 if d <= 64 or fine else 8,
