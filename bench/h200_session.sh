@@ -5,11 +5,11 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 37; 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
-# and half of 37.
+# and half of 37; runs 91-92 (one call) ran 37.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -423,10 +423,11 @@ case "${1:?stage 1 to 37}" in
       "{\"block_k_dkv\": 128, \"block_q_dkv\": 32, $fused}"
     ;;
   37)
-    # Run 90 and what should follow it: the set-transformer shapes (64 sets x 4 heads,
+    # Runs 90-92: the set-transformer shapes (64 sets x 4 heads,
     # 128 <-> 1024 elements, hd 32) on the new default beside torch SDPA, whose times
     # there vary 2x between runs (flash fwd+bwd at 1024 queries over 128 keys: 0.230,
-    # 0.157, 0.301 ms in runs 70, 76, 90), so twice in one call; then the Triton GPU tests.
+    # 0.157, 0.301 ms in runs 70, 76, 90), so twice in one call (runs 91, 92: 0.161,
+    # 0.157 vs our 0.152); then the Triton GPU tests.
     for i in 1 2; do
       suite 120 "set_transformer_$i" --suite set_transformer --set elements=1024 \
         --only "probjax auto" "probjax triton" "torch sdpa flash" "torch sdpa cudnn" "isab auto"
