@@ -31,9 +31,9 @@ IN_KERNEL = [
 ]
 
 
-def check(q, k, v, ct, mask=None, config=CFG):
+def check(q, k, v, ct, mask=None, config=CFG, primal=False):
     f = lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="mosaic", config=config)
-    return check_against_oracle(f, q, k, v, ct, mask=mask)
+    return check_against_oracle(f, q, k, v, ct, mask=mask, primal=primal)
 
 
 @pytest.mark.parametrize("name", IN_KERNEL)
@@ -43,7 +43,7 @@ def test_masks_fwd_and_grads(getkey, name):
     q_heads, kv_heads = (4, 2) if name == "none" else (2, 1)
     q, k, v = make_qkv(getkey(), q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.bfloat16)
     ct = jax.random.normal(getkey(), (2, 7, q_heads, 16))
-    check(q, k, v, ct, MASKS[name])
+    check(q, k, v, ct, MASKS[name], primal=True)  # the undifferentiated call too
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_fused_dq_backward(getkey, qk_dim, num_stages, lengths):
             )[0]
             return jax.vmap(one)(q, k, v, mask.lengths)
 
-    check_against_oracle(f, q, k, v, ct, mask=mask)
+    check_against_oracle(f, q, k, v, ct, mask=mask, primal=False)
 
 
 @pytest.mark.parametrize("group", [None, 1, 2, 3, 4, 9])
@@ -220,7 +220,7 @@ def test_softcap_fwd_and_grads(getkey, mod, mask, tuned):
     f = lambda q, k, v: flex_attention(  # noqa: E731
         q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=config
     )
-    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod)
+    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod, primal=False)
 
 
 def test_rows_without_keys_are_zero(getkey):

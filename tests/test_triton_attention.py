@@ -43,16 +43,16 @@ def run_triton(q, k, v, mask=None, score_mod=None, config=CFG):
     )
 
 
-def check(q, k, v, ct, mask=None, score_mod=None, config=CFG):
+def check(q, k, v, ct, mask=None, score_mod=None, config=CFG, primal=False):
     f = lambda q, k, v: run_triton(q, k, v, mask, score_mod, config)
-    return check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=score_mod)
+    return check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=score_mod, primal=primal)
 
 
 @pytest.mark.parametrize("name", sorted(set(MASKS)))
 def test_masks_fwd_and_grads(getkey, name):
     q, k, v = make_qkv(getkey(), v_dim=12)
     ct = jax.random.normal(getkey(), (2, 7, 4, 12))
-    check(q, k, v, ct, MASKS[name])
+    check(q, k, v, ct, MASKS[name], primal=True)  # the undifferentiated call too
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
