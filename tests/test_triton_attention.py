@@ -161,8 +161,6 @@ def test_config_validation():
 
 
 def test_tile_selection_fits_shared_memory():
-    from probjax_eqx.attention_call import AttentionCall
-
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     for dtype, d in (("bfloat16", 256), ("float32", 128), ("bfloat16", 64)):
         call = AttentionCall(4, 4096, 4096, 8, 8, d, d, dtype)
@@ -177,8 +175,6 @@ def test_tile_selection_fits_shared_memory():
 
 def test_wide_float32_backward_steps_16_rows():
     # float32 hd 256: 32-row steps spilled (359 ms fwd+bwd at T=4096, run 26; 51 at 16).
-    from probjax_eqx.attention_call import AttentionCall
-
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     for dtype, d, tiles in (("float32", 256, (16, 32, 32, 16)), ("float32", 128, (32,) * 4),
                             ("bfloat16", 256, (64,) * 4)):  # fmt: skip
@@ -274,8 +270,6 @@ def test_fused_backward_over_one_key_tile(getkey, mask):
 
 
 def test_backward_rule():
-    from probjax_eqx.attention_call import AttentionCall
-
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     a100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
     square = AttentionCall(1, 2048, 2048, 8, 8, 64, 64, "bfloat16")

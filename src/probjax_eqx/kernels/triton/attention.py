@@ -373,6 +373,14 @@ class _Static:
         return one_key_tile(self.call, self.config)
 
     @property
+    def dq_atomics(self) -> bool:
+        """The fused backward adds dQ by float32 atomics into a zeroed, aliased buffer.
+
+        Over one key tile each program stores its query head's dQ instead.
+        """
+        return self.config.backward_pass_impl == "triton_fused" and not self.one_key_tile
+
+    @property
     def dkv_heads_a_program(self) -> int:
         """Query heads one dK/dV program loops over: a GQA group with `group_dkv`."""
         return self.call.groups if self.config.group_dkv else 1
@@ -574,8 +582,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     n_ops = len(st.kinds)
     range_refs, refs = refs[:4], refs[4:]
     fused = st.config.backward_pass_impl == "triton_fused"
-    accumulates = fused and not st.one_key_tile  # the zeroed dQ comes in aliased
-    op_refs, outs = refs[:n_ops], refs[n_ops + accumulates :]
+    op_refs, outs = refs[:n_ops], refs[n_ops + st.dq_atomics :]
     dk_ref, dv_ref = outs[:2]
     j, head, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q_dkv, st.config.block_k_dkv
@@ -865,9 +872,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     fused = cfg.backward_pass_impl == "triton_fused"
     dq_spec = pl.BlockSpec((None, st.q_pad, None, d), lambda j, h, b: (b, 0, h, 0))
-    # One key tile: each program stores its query head's dQ; else float32 atomics add up.
-    accumulates = fused and not st.one_key_tile
-    dq_acc = [jnp.zeros(q.shape, jnp.float32)] if accumulates else []
+    dq_acc = [jnp.zeros(q.shape, jnp.float32)] if st.dq_atomics else []
 
     # One program per query head (float32 dK/dV where a group's are summed afterwards),
     # or per KV head looping over its group's query heads (`group_dkv`).
@@ -904,7 +909,7 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
             *_operand_specs(
                 st.kinds, seq_role="kv_pos", block=bk, q_pad=st.q_pad, kv_pad=st.kv_pad, heads=g
             ),
-            *[dq_spec] * accumulates,
+            *[dq_spec] * st.dq_atomics,
         ],
         out_specs=[
             pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0)),
@@ -914,9 +919,9 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         out_shape=[
             jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, d), dkv_dtype(k.dtype)),
             jax.ShapeDtypeStruct((batch, st.kv_pad, dkv_heads, dv), dkv_dtype(v.dtype)),
-            *[jax.ShapeDtypeStruct(q.shape, jnp.float32 if accumulates else q.dtype)] * fused,
+            *[jax.ShapeDtypeStruct(q.shape, jnp.float32 if st.dq_atomics else q.dtype)] * fused,
         ],
-        input_output_aliases={n_in: 2} if accumulates else {},
+        input_output_aliases={n_in: 2} if st.dq_atomics else {},
         compiler_params=params,
         interpret=cfg.interpret,
         name="probjax_attention_triton_bwd_fused" if fused else "probjax_attention_triton_bwd_dkv",
