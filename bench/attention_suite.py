@@ -4,6 +4,7 @@ Every peer's forward output is checked on the first `CHECK_ROWS` queries against
 float32 oracle before its time counts; a mismatch makes the row an `error`.
 """
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -14,8 +15,10 @@ import numpy as np
 from bench.harness import (
     attention_kernel,
     classify,
+    fwd_bwd_program,
     record,
     select_grid,
+    stack,
     time_fn,
     tokamax_peer,
     torch_attention,
@@ -28,16 +31,18 @@ CHECK_ROWS = 128
 FWD_ATOL = {"bfloat16": 2e-2, "float32": 5e-3}
 
 # The full grid; a run takes a slice with `--seq` and `--set` (e.g. `--set head_dim=128`).
+# `layers` > 1 times each call inside a stack of that many (`harness.stack`), per call.
 FULL = dict(batch=[4], heads=[8], seq=[1024, 4096, 16384], head_dim=[32, 64, 128, 256],
-            causal=[False, True], dtype=["bfloat16", "float32"])  # fmt: skip
+            causal=[False, True], dtype=["bfloat16", "float32"], layers=[1])  # fmt: skip
 QUICK = dict(batch=[1], heads=[2], seq=[128], head_dim=[32], causal=[False, True],
-             dtype=["bfloat16"])  # fmt: skip
+             dtype=["bfloat16"], layers=[1])  # fmt: skip
 
 
 def cases(quick: bool, seqs: list[int] | None = None, overrides=None) -> Iterator[dict]:
     grid = select_grid(FULL, QUICK, quick=quick, seq_key="seq", seqs=seqs, overrides=overrides)
-    for b, h, t, d, c, dtype in itertools.product(*grid.values()):
-        yield dict(batch=b, heads=h, seq=t, head_dim=d, causal=c, dtype=dtype)
+    for b, h, t, d, c, dtype, layers in itertools.product(*grid.values()):
+        case = dict(batch=b, heads=h, seq=t, head_dim=d, causal=c, dtype=dtype)
+        yield case | (dict(layers=layers) if layers > 1 else {})  # rows of one call: as before
 
 
 def _jax_impls() -> dict[str, Callable]:
@@ -116,21 +121,23 @@ def _torch_impls() -> dict[str, Callable]:
     }
 
 
-def _time_jax(f, q, k, v, ct, causal, repeats):
-    fwd = jax.jit(lambda q, k, v: f(q, k, v, causal))
-
-    def loss(q, k, v, ct):  # ct an argument: closed over, XLA folds a copy of it
-        return jnp.sum(f(q, k, v, causal).astype(jnp.float32) * ct)
-
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    out = fwd(q, k, v)
+def _time_jax(f, q, k, v, ct, causal, repeats, layers=1):
+    one = functools.partial(_call, f, causal=causal)
+    out = jax.jit(one)(q, k, v)
+    fwd = jax.jit(stack(one, layers))
+    # ct an argument: closed over, XLA folds a copy of it
+    fwd_bwd = fwd_bwd_program(stack(one, layers))
     sync = jax.block_until_ready
-    fwd_ms = time_fn(lambda: fwd(q, k, v), sync, repeats=repeats)
-    bwd_ms = time_fn(lambda: fwd_bwd(q, k, v, ct), sync, repeats=repeats)
+    fwd_ms = time_fn(lambda: fwd(q, k, v), sync, repeats=repeats) / layers
+    bwd_ms = time_fn(lambda: fwd_bwd(q, k, v, ct), sync, repeats=repeats) / layers
     return np.asarray(out[:, :CHECK_ROWS], np.float32), fwd_ms, bwd_ms
 
 
-def _time_torch(f, q, k, v, ct, causal, repeats):
+def _call(f, q, k, v, *, causal):
+    return f(q, k, v, causal)
+
+
+def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
     import torch
 
     def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
@@ -141,18 +148,21 @@ def _time_torch(f, q, k, v, ct, causal, repeats):
         t.requires_grad_(True)
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
-    def fwd():
+    one = functools.partial(_call, f, causal=causal)
+    stacked = stack(one, layers)
+
+    def fwd(call=stacked):
         with torch.no_grad():
-            return f(qt, kt, vt, causal)
+            return call(qt, kt, vt)
 
     def fwd_bwd():
         for t in (qt, kt, vt):
             t.grad = None
-        f(qt, kt, vt, causal).backward(ctt)
+        stacked(qt, kt, vt).backward(ctt)
 
-    out = fwd().transpose(1, 2)[:, :CHECK_ROWS].float().cpu().numpy()
-    fwd_ms = time_fn(fwd, sync, repeats=repeats)
-    bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats)
+    out = fwd(one).transpose(1, 2)[:, :CHECK_ROWS].float().cpu().numpy()
+    fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
+    bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()
     return out, fwd_ms, bwd_ms
 
@@ -171,12 +181,12 @@ def run(
     names = [n for n in [*jax_impls, *torch_impls] if only is None or n in only]
     for case in cases(quick, seqs, overrides):
         dtype = case.pop("dtype")
-        b, h, t, d, causal = case.values()
+        b, h, t, d, causal = (case[n] for n in ("batch", "heads", "seq", "head_dim", "causal"))
         keys = jax.random.split(jax.random.key(t * d + causal), 4)
         q, k, v = (
             jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype) for kk in keys[:3]
         )
-        ct = jax.random.normal(keys[3], (b, t, h, d), jnp.float32)
+        ct = jax.random.normal(keys[3], (b, t, h, d), jnp.float32).astype(dtype)
         expected = np.asarray(
             reference.attention(
                 q[:, :CHECK_ROWS],
@@ -208,7 +218,8 @@ def run(
                 attention_kernel(row, q, k, v, masks.Causal() if causal else None)
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
-                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats)
+                layers = case.get("layers", 1)
+                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats, layers)
                 record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL[dtype])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)

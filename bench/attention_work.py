@@ -4,8 +4,9 @@ For each implementation (ours: `auto`, `cudnn`, `mosaic`, `triton`, `xla`, or on
 with config fields set over its default, `mosaic+fused_dq+launch_group=4`; the peers
 `jax.nn-cudnn` and `tokamax-mosaic`), the compiled forward and forward+backward programs'
 device work (the kernels, and every fusion, copy or transpose around them), at B4 H8
-bf16. Our default takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same
-cuDNN kernel: these lists show what our route adds.
+bf16; `torch-cudnn` (torch SDPA pinned to cuDNN) only launches, for the profiler. Our
+default takes 1.03x torch cuDNN's time at T 4096 hd 128 through the same cuDNN kernel:
+these lists show what our route adds.
 
 `--launch N` then runs each program N times, for a profiler (`bench/ncu.sh`) to time
 each kernel: where our Mosaic backward's time goes beside tokamax's (run 45: fwd+bwd
@@ -20,7 +21,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from bench.harness import device_work, tokamax_peer
+from bench.harness import device_work, fwd_bwd_program, tokamax_peer, torch_attention
 from probjax_eqx import dot_product_attention, explain_attention, masks
 
 
@@ -49,6 +50,23 @@ def _attend(impl: str, causal: bool):
     return attend
 
 
+def _launch_torch(q, k, v, ct, causal, launches):
+    """Torch SDPA pinned to cuDNN on the same operands, `launches` times fwd and fwd+bwd:
+    which cuDNN kernels torch's graphs select, for ncu to time beside JAX's."""
+    torch, SDPBackend, sdpa_kernel, *_ = torch_attention()
+    qt, kt, vt, ctt = (torch.from_dlpack(x).transpose(1, 2).detach().clone() for x in (q, k, v, ct))
+    for t in (qt, kt, vt):
+        t.requires_grad_(True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        print(f"torch-cudnn fwd+bwd {tuple(q.shape)} causal={causal}", flush=True)
+        for _ in range(launches):
+            with torch.no_grad():
+                sdpa(qt, kt, vt, is_causal=causal)
+            sdpa(qt, kt, vt, is_causal=causal).backward(ctt)
+        torch.cuda.synchronize()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("impls", nargs="*", default=["auto", "jax.nn-cudnn"])
@@ -61,14 +79,13 @@ def main():
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
     for impl in args.impls:
+        if impl == "torch-cudnn":
+            _launch_torch(q, k, v, ct, args.causal, args.launch)
+            continue
         f = _attend(impl, args.causal)
-
-        def loss(q, k, v, ct, f=f):
-            return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
-
         programs = {
             "fwd": (jax.jit(f), (q, k, v)),
-            "fwd+bwd": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v, ct)),
+            "fwd+bwd": (fwd_bwd_program(f), (q, k, v, ct)),
         }
         for part, (fn, operands) in programs.items():
             print(f"{impl} {part} {shape} causal={args.causal}", flush=True)

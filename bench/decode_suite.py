@@ -22,7 +22,9 @@ import numpy as np
 from bench.harness import (
     attention_kernel,
     classify,
+    fwd_bwd_program,
     select_grid,
+    stack,
     time_fn,
     tokamax_peer,
     torch_attention,
@@ -30,9 +32,10 @@ from bench.harness import (
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
+# `layers` > 1 times each call inside a stack of that many (`harness.stack`), per call.
 FULL = dict(batch=[1, 8], heads=[(32, 8), (32, 32)], q_len=[1, 16, 128],
-            kv_len=[8192, 32768, 131072], ragged=[False, True])  # fmt: skip
-QUICK = dict(batch=[2], heads=[(4, 2)], q_len=[1], kv_len=[64], ragged=[True])
+            kv_len=[8192, 32768, 131072], ragged=[False, True], layers=[1])  # fmt: skip
+QUICK = dict(batch=[2], heads=[(4, 2)], q_len=[1], kv_len=[64], ragged=[True], layers=[1])
 HEAD_DIM = 128
 ATOL = 2e-2
 
@@ -105,25 +108,22 @@ def _torch_impls():
     }
 
 
-def _time_jax(f, q, k, v, ct, lengths, repeats, train):
+def _time_jax(f, q, k, v, ct, lengths, repeats, train, layers):
     # Lengths and cotangent are arguments, as the torch peers get them: closed over, they
     # are constants that XLA folds and specialises on.
-    fwd = jax.jit(f)
-    out = np.asarray(fwd(q, k, v, lengths)[:1], np.float32)
+    out = np.asarray(jax.jit(f)(q, k, v, lengths)[:1], np.float32)
+    fwd = jax.jit(stack(f, layers))
     sync = jax.block_until_ready
-    fwd_ms = time_fn(functools.partial(fwd, q, k, v, lengths), sync, repeats=repeats)
+    fwd_ms = time_fn(functools.partial(fwd, q, k, v, lengths), sync, repeats=repeats) / layers
     bwd_ms = None
     if train:
-
-        def loss(q, k, v, lengths, ct):
-            return jnp.sum(f(q, k, v, lengths).astype(jnp.float32) * ct)
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        bwd_ms = time_fn(functools.partial(grad, q, k, v, lengths, ct), sync, repeats=repeats)
+        grad = fwd_bwd_program(stack(f, layers))
+        call = functools.partial(grad, q, k, v, lengths, ct)
+        bwd_ms = time_fn(call, sync, repeats=repeats) / layers
     return out, fwd_ms, bwd_ms
 
 
-def _time_torch(f, q, k, v, ct, lengths, repeats, train):
+def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
     import torch
 
     def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
@@ -132,12 +132,14 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train):
     qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct.astype(q.dtype)))
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
-    def fwd():
-        with torch.no_grad():
-            return f(qt, kt, vt, lengths)
+    stacked = stack(f, layers)
 
-    out = fwd().transpose(1, 2)[:1].float().cpu().numpy()
-    fwd_ms = time_fn(fwd, sync, repeats=repeats)
+    def fwd(call=stacked):
+        with torch.no_grad():
+            return call(qt, kt, vt, lengths)
+
+    out = fwd(f).transpose(1, 2)[:1].float().cpu().numpy()
+    fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
     bwd_ms = None
     if train:
         for t in (qt, kt, vt):
@@ -146,9 +148,9 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train):
         def fwd_bwd():
             for t in (qt, kt, vt):
                 t.grad = None
-            f(qt, kt, vt, lengths).backward(ctt)
+            stacked(qt, kt, vt, lengths).backward(ctt)
 
-        bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats)
+        bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()
     return out, fwd_ms, bwd_ms
 
@@ -159,14 +161,14 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
     jax_impls, torch_impls = _jax_impls(), _torch_impls()
     names = [n for n in [*jax_impls, *torch_impls] if only is None or n in only]
     d = 32 if quick else HEAD_DIM
-    for b, (h, hk), lq, lkv, ragged in itertools.product(*grid.values()):
+    for b, (h, hk), lq, lkv, ragged, layers in itertools.product(*grid.values()):
         if lq == 128 and (b, h, hk) != (8, 32, 8):  # the training case: one layout suffices
             continue
         keys = jax.random.split(jax.random.key(lq * lkv + b), 4)
         q = jax.random.normal(keys[0], (b, lq, h, d), jnp.float32).astype(jnp.bfloat16)
         k, v = (jax.random.normal(kk, (b, lkv, hk, d), jnp.float32).astype(jnp.bfloat16)
                 for kk in keys[1:3])  # fmt: skip
-        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         lengths = ragged_lengths(b, lkv, ragged)
         mask = None if lengths is None else masks.KVLengths(lengths[:1])
         expected = reference.attention(
@@ -179,7 +181,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
             row = dict(
                 base_row, suite="decode", implementation=name, peer=not name.startswith("probjax"),
                 shape=dict(batch=b, q_heads=h, kv_heads=hk, q_len=lq, kv_len=lkv, head_dim=d,
-                           kv_lengths=ragged),
+                           kv_lengths=ragged) | (dict(layers=layers) if layers > 1 else {}),
                 dtype="bfloat16", status="ok", message="",
             )  # fmt: skip
             try:
@@ -188,7 +190,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 is_torch = name in torch_impls
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
-                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, lengths, repeats, lq == 128)
+                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, lengths, repeats, lq == 128, layers)
                 err = float(np.max(np.abs(out - expected)))
                 row.update(fwd_ms=fwd_ms, kv_tb_s=kv_bytes / fwd_ms / 1e9, max_abs_err=err)
                 if bwd_ms is not None:

@@ -9,7 +9,8 @@
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
-# and half of 37; runs 91-92 (one call) ran 37.
+# and half of 37; runs 91-92 (one call) ran 37; runs 93-98 ran 38-43 (41 only its
+# non-causal half: both steps reached their limits compiling the causal 8-call stacks).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -433,6 +434,51 @@ case "${1:?stage 1 to 37}" in
         --only "probjax auto" "probjax triton" "torch sdpa flash" "torch sdpa cudnn" "isab auto"
     done
     WORKERS=4 gpu_tests 200 -k "triton and not lowers"
+    ;;
+  38)
+    # What the harness adds: JAX routes under the old grad-of-a-float32-loss timing and
+    # the new fwd_bwd_program, torch SDPA on contiguous copies and on views of the JAX
+    # layout; then the T 4096 hd 64/128 rows under the new harness.
+    step 200 probe_harness python3 -m bench.probe_harness --out "$out/probe_harness.json"
+    suite 300 attention_4096 --suite attention --seq 4096 --set head_dim=64,128 \
+      dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" \
+      "torch sdpa cudnn" "torch sdpa flash"
+    ;;
+  39)
+    # What a dispatch adds (one call per program against 8 chained in one), then the
+    # T 16384 hd 128 rows under the new harness.
+    step 150 probe_dispatch python3 -m bench.probe_dispatch --out "$out/probe_dispatch.json"
+    suite 330 attention_16384 --suite attention --seq 16384 --set head_dim=128 \
+      dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  40)
+    # Which cuDNN kernels torch's SDPA runs, beside JAX's route to cuDNN, under ncu
+    # (T 4096 hd 128, non-causal then causal).
+    for causal in "" --causal; do
+      step 200 "ncu_torch$causal" env NCU_LIMIT=180 bash bench/ncu.sh "$out" "torch$causal" \
+        bench.attention_work jax.nn-cudnn torch-cudnn --launch 2 $causal
+    done
+    ;;
+  41)
+    # Per call, alone in a program and as 8 chained calls in one (unrolled), JAX's routes
+    # and torch's, T 4096 hd 128 and hd 64.
+    step 200 probe_dispatch python3 -m bench.probe_dispatch --out "$out/probe_dispatch.json"
+    step 150 probe_dispatch_64 python3 -m bench.probe_dispatch --head-dim 64 \
+      --out "$out/probe_dispatch_64.json"
+    ;;
+  42)
+    # Our default and both cuDNN routes per call inside a stack of 4 layers (one program
+    # for JAX, eager for torch), T 4096 hd 64/128, causal and not.
+    suite 450 attention_stack --suite attention --seq 4096 --set head_dim=64,128 \
+      dtype=bfloat16 layers=4 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  43)
+    # Decoding (one query) alone and per call inside a stack of 4 layers, beside JAX's
+    # and torch's cuDNN and torch's flash, without per-batch lengths (torch's SDPA
+    # takes none).
+    suite 270 decode_stack --suite decode --set q_len=1 ragged=false layers=1,4 \
+      kv_len=32768,131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" \
+      "torch sdpa flash"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -106,6 +106,41 @@ def time_fn(
     return statistics.median(samples)
 
 
+def fwd_bwd_program(f: Callable, n_diff: int = 3) -> Callable:
+    """`jit((*args, ct) -> (f(*args), cotangents of args[:n_diff]))`: what torch's
+    `f(*args).backward(ct)` computes, on a cotangent in the output's dtype as torch gets it.
+
+    A loss `sum(f(...).astype(f32) * ct)` over a float32 `ct` (this harness until run 92)
+    added a conversion of the cotangent to every JAX timing: H100 run 93, T 4096 hd 128,
+    JAX's cuDNN 1.971 -> 1.943 ms (1.220 -> 1.199 causal).
+    """
+
+    def step(*args):
+        *args, ct = args
+        diff, rest = args[:n_diff], args[n_diff:]
+        out, pullback = jax.vjp(lambda *d: f(*d, *rest), *diff)
+        return out, pullback(ct.astype(out.dtype))
+
+    return jax.jit(step)
+
+
+def stack(f: Callable, layers: int) -> Callable:
+    """`layers` calls of `f(q, k, v, *rest)` in a row, each one's output the next one's queries:
+    a stack of attention layers, timed per call as a model runs them in one program.
+
+    JAX pays a fixed cost per dispatched program that torch's eager launches do not
+    (H100 run 96, T 4096 hd 128 fwd+bwd per call through the same cuDNN kernels: JAX 1.922
+    ms alone, 1.866 in a stack of 8; torch 1.822 alone, 1.903 in a stack).
+    """
+
+    def stacked(q, k, v, *rest):
+        for _ in range(layers):
+            q = f(q, k, v, *rest)
+        return q
+
+    return stacked
+
+
 def time_model_step(model, inputs: tuple, loss_of, repeats: int, *, input_grads=False):
     """`(first output row, forward ms, train step ms)` of `jax.vmap(model)(*inputs)`.
 

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.attention_suite import CHECK_ROWS, FWD_ATOL
-from bench.harness import attention_kernel, classify, record, select_grid, time_fn
+from bench.harness import (
+    attention_kernel,
+    classify,
+    fwd_bwd_program,
+    record,
+    select_grid,
+    time_fn,
+)
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -25,8 +32,7 @@ def _measure(name, q, k, v, ct, mask, repeats):
         return dot_product_attention(q, k, v, mask=mask, implementation=name)
 
     fwd = jax.jit(f)
-    loss = lambda q, k, v, ct: jnp.sum(f(q, k, v).astype(jnp.float32) * ct)  # noqa: E731
-    grad = jax.jit(jax.grad(loss, (0, 1, 2)))  # ct an argument: closed over, XLA folds it
+    grad = fwd_bwd_program(f)  # ct an argument: closed over, XLA folds it
     out = np.asarray(fwd(q, k, v)[:, :CHECK_ROWS], np.float32)
     fwd_ms = time_fn(lambda: fwd(q, k, v), jax.block_until_ready, repeats=repeats)
     bwd_ms = time_fn(lambda: grad(q, k, v, ct), jax.block_until_ready, repeats=repeats)
@@ -42,7 +48,7 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
         q, k, v = (
             jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(jnp.bfloat16) for kk in keys[:3]
         )
-        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         mask = masks.KVLengths(jnp.full((b,), int(fraction * t), jnp.int32))
         expected = np.asarray(
             reference.attention(

@@ -151,6 +151,13 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         "have (above 1: we are faster; `-`: no default row in that run). Status `unsup.` /",
         "`OOM` / `error` rows keep their message.",
         "",
+        "A case with `layers=N` times each call inside a stack of N, each call's output the",
+        "next one's queries: one program for JAX, N eager launches for torch. JAX pays a fixed",
+        "cost per dispatched program that torch's launches do not, and a model pays it once",
+        "per step, not once per layer. JAX fwd+bwd times take `jax.vjp` on a cotangent in the",
+        "output's dtype (`harness.fwd_bwd_program`), as torch's `backward` gets it; rows before",
+        "run 93 (H100) also timed a conversion of a float32 cotangent.",
+        "",
     ]
     if logs is not None:
         lines += ["## GPU tests", "", *gpu_test_counts(logs, name), ""]

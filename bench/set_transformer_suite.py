@@ -31,7 +31,7 @@ def _attention_rows(writer, base_row, shape, names, jax_impls, torch_impls, repe
         q = jax.random.normal(keys[0], (b, lq, h, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
         k, v = (jax.random.normal(kk, (b, lkv, h, HEAD_DIM), jnp.float32).astype(jnp.bfloat16)
                 for kk in keys[1:3])  # fmt: skip
-        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         rows = attention_suite.CHECK_ROWS
         expected = np.asarray(reference.attention(
             q[:, :rows], k, v, mask=None, score_mod=None, scale=HEAD_DIM**-0.5, oracle=True

@@ -9,9 +9,8 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, time_fn, warm_up_device
+from bench.harness import RowWriter, classify, fwd_bwd_program, time_fn, warm_up_device
 from probjax_eqx import biases, explain_attention, flex_attention, masks
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
@@ -153,7 +152,7 @@ def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
     if part == "fwd":
         fwd = jax.jit(f)
         return dict(fwd_ms=time_fn(lambda: fwd(q, k, v), jax.block_until_ready))
-    bwd = jax.jit(jax.grad(lambda q, k, v, ct: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2)))
+    bwd = fwd_bwd_program(f)
     return dict(fwd_bwd_ms=time_fn(lambda: bwd(q, k, v, ct), jax.block_until_ready))
 
 
@@ -189,7 +188,7 @@ def _sweep(args, seq, kv_seq, writer):
         q = jax.random.normal(keys[0], shape, args.dtype)
         kv_shape = (args.batch, kv_seq, args.kv_heads or args.heads, d)
         k, v = (jax.random.normal(kk, kv_shape, args.dtype) for kk in keys[1:3])
-        ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+        ct = jax.random.normal(keys[3], q.shape, args.dtype)
         mod = None if args.softcap is None else biases.SoftCap(args.softcap)
         configs = _configs(args.implementation, args.dtype == "float32")
         only = [{}] if args.defaults else args.config  # --defaults: `--config '{}'`
