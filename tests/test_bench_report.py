@@ -95,6 +95,28 @@ def test_set_overrides_parse_ints_floats_booleans_and_names():
     }
 
 
+def test_fwd_bwd_program_is_the_vjp_on_an_output_dtype_cotangent_and_stacks_chain():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.harness import fwd_bwd_program, stack
+
+    def layer(q, k, v, scale):
+        return jax.nn.softmax(scale * q @ k.T) @ v
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (8, 4), jnp.float32) for key in keys[:3])
+    ct = jax.random.normal(keys[3], (8, 4), jnp.bfloat16)  # cast to the output's float32
+    scale = jnp.float32(0.5)  # a trailing argument: passed on, not differentiated
+    out, grads = fwd_bwd_program(stack(layer, 2))(q, k, v, scale, ct)
+    two_layers = lambda q, k, v: layer(layer(q, k, v, scale), k, v, scale)  # noqa: E731
+    expected, pullback = jax.vjp(two_layers, q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert len(grads) == 3 and all(g.dtype == jnp.float32 for g in grads)
+    for got, want in zip(grads, pullback(ct.astype(jnp.float32)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_sweep_configs_are_valid_over_the_gpu_default(causal):
     # A sweep's configs replace fields of the call's GPU default: one the config refuses
