@@ -1,7 +1,8 @@
 """Attention suite: our implementations and peers on the same inputs and cotangents.
 
 Every peer's forward output is checked on the first `CHECK_ROWS` queries against our
-float32 oracle before its time counts; a mismatch makes the row an `error`.
+float32 oracle before its time counts, and its dQ, dK and dV under a cotangent on those
+queries alone (`harness.rows_cotangent`); a mismatch makes the row an `error`.
 """
 
 import functools
@@ -13,10 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import (
+    GRAD_ATOL,
     attention_kernel,
+    check_grads,
     classify,
     fwd_bwd_program,
+    oracle_grads,
     record,
+    rows_cotangent,
     select_grid,
     stack,
     time_fn,
@@ -122,15 +127,19 @@ def _torch_impls() -> dict[str, Callable]:
 
 
 def _time_jax(f, q, k, v, ct, causal, repeats, layers=1):
+    """`(out's first CHECK_ROWS queries, fwd ms, fwd+bwd ms, (dq, dk, dv) under
+    rows_cotangent(ct, CHECK_ROWS))`, per call of a stack of `layers`."""
     one = functools.partial(_call, f, causal=causal)
     out = jax.jit(one)(q, k, v)
     fwd = jax.jit(stack(one, layers))
     # ct an argument: closed over, XLA folds a copy of it
     fwd_bwd = fwd_bwd_program(stack(one, layers))
+    check = fwd_bwd if layers == 1 else fwd_bwd_program(one)
+    grads = check(q, k, v, rows_cotangent(ct, CHECK_ROWS))[1]
     sync = jax.block_until_ready
     fwd_ms = time_fn(lambda: fwd(q, k, v), sync, repeats=repeats) / layers
     bwd_ms = time_fn(lambda: fwd_bwd(q, k, v, ct), sync, repeats=repeats) / layers
-    return np.asarray(out[:, :CHECK_ROWS], np.float32), fwd_ms, bwd_ms
+    return np.asarray(out[:, :CHECK_ROWS], np.float32), fwd_ms, bwd_ms, grads
 
 
 def _call(f, q, k, v, *, causal):
@@ -138,6 +147,7 @@ def _call(f, q, k, v, *, causal):
 
 
 def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
+    """`_time_jax`'s results for a torch implementation, in JAX's layout."""
     import torch
 
     def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
@@ -160,11 +170,16 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
             t.grad = None
         stacked(qt, kt, vt).backward(ctt)
 
-    out = fwd(one).transpose(1, 2)[:, :CHECK_ROWS].float().cpu().numpy()
+    def to_jax_layout(t):
+        return t.transpose(1, 2).float().cpu().numpy()
+
+    out = to_jax_layout(fwd(one)[:, :, :CHECK_ROWS])
+    one(qt, kt, vt).backward(to_torch(rows_cotangent(ct.astype(q.dtype), CHECK_ROWS)))
+    grads = tuple(to_jax_layout(t.grad) for t in (qt, kt, vt))
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
     bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()
-    return out, fwd_ms, bwd_ms
+    return out, fwd_ms, bwd_ms, grads
 
 
 def run(
@@ -187,17 +202,10 @@ def run(
             jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype) for kk in keys[:3]
         )
         ct = jax.random.normal(keys[3], (b, t, h, d), jnp.float32).astype(dtype)
-        expected = np.asarray(
-            reference.attention(
-                q[:, :CHECK_ROWS],
-                k,
-                v,
-                mask=masks.Causal() if causal else None,
-                score_mod=None,
-                scale=1.0 / np.sqrt(d),
-                oracle=True,
-            )
-        )
+        oracle = functools.partial(reference.attention, mask=masks.Causal() if causal else None,
+                                   score_mod=None, scale=1.0 / np.sqrt(d), oracle=True)  # fmt: skip
+        expected = np.asarray(oracle(q[:, :CHECK_ROWS], k, v))
+        expected_grads = oracle_grads(oracle, q, k, v, ct, CHECK_ROWS)
         flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
         for name in names:
             is_torch = name in torch_impls
@@ -219,8 +227,9 @@ def run(
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
                 layers = case.get("layers", 1)
-                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, causal, repeats, layers)
+                out, fwd_ms, bwd_ms, grads = timer(impl, q, k, v, ct, causal, repeats, layers)
                 record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL[dtype])
+                check_grads(row, grads, expected_grads, atol=GRAD_ATOL[dtype])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)
             writer.add(row)

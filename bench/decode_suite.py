@@ -20,9 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import (
+    GRAD_ATOL,
     attention_kernel,
+    check_grads,
     classify,
     fwd_bwd_program,
+    oracle_grads,
     select_grid,
     stack,
     time_fn,
@@ -115,12 +118,14 @@ def _time_jax(f, q, k, v, ct, lengths, repeats, train, layers):
     fwd = jax.jit(stack(f, layers))
     sync = jax.block_until_ready
     fwd_ms = time_fn(functools.partial(fwd, q, k, v, lengths), sync, repeats=repeats) / layers
-    bwd_ms = None
+    bwd_ms = grads = None
     if train:
         grad = fwd_bwd_program(stack(f, layers))
         call = functools.partial(grad, q, k, v, lengths, ct)
         bwd_ms = time_fn(call, sync, repeats=repeats) / layers
-    return out, fwd_ms, bwd_ms
+        check = grad if layers == 1 else fwd_bwd_program(f)
+        grads = tuple(g[:1] for g in check(q, k, v, lengths, ct)[1])
+    return out, fwd_ms, bwd_ms, grads
 
 
 def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
@@ -140,10 +145,12 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
 
     out = fwd(f).transpose(1, 2)[:1].float().cpu().numpy()
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
-    bwd_ms = None
+    bwd_ms = grads = None
     if train:
         for t in (qt, kt, vt):
             t.requires_grad_(True)
+        f(qt, kt, vt, lengths).backward(ctt)
+        grads = tuple(t.grad[:1].transpose(1, 2).float().cpu().numpy() for t in (qt, kt, vt))
 
         def fwd_bwd():
             for t in (qt, kt, vt):
@@ -152,7 +159,7 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
 
         bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()
-    return out, fwd_ms, bwd_ms
+    return out, fwd_ms, bwd_ms, grads
 
 
 def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
@@ -171,10 +178,13 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
         ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         lengths = ragged_lengths(b, lkv, ragged)
         mask = None if lengths is None else masks.KVLengths(lengths[:1])
-        expected = reference.attention(
-            q[:1], k[:1], v[:1], mask=mask, score_mod=None, scale=d**-0.5, oracle=True
+        oracle = functools.partial(reference.attention, mask=mask, score_mod=None,
+                                   scale=d**-0.5, oracle=True)  # fmt: skip
+        expected = np.asarray(oracle(q[:1], k[:1], v[:1]))
+        # Training rows (lq 128): the first batch element's gradients, every query's.
+        expected_grads = (
+            oracle_grads(oracle, q[:1], k[:1], v[:1], ct[:1], lq) if lq == 128 else None
         )
-        expected = np.asarray(expected)
         valid = b * lkv if lengths is None else int(jnp.sum(lengths))
         kv_bytes = 2 * valid * hk * d * 2
         for name in names:
@@ -190,13 +200,17 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
                 is_torch = name in torch_impls
                 timer = _time_torch if is_torch else _time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
-                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, lengths, repeats, lq == 128, layers)
+                out, fwd_ms, bwd_ms, grads = timer(
+                    impl, q, k, v, ct, lengths, repeats, lq == 128, layers
+                )
                 err = float(np.max(np.abs(out - expected)))
                 row.update(fwd_ms=fwd_ms, kv_tb_s=kv_bytes / fwd_ms / 1e9, max_abs_err=err)
                 if bwd_ms is not None:
                     row["fwd_bwd_ms"] = bwd_ms
                 if not np.isfinite(err) or err > ATOL:
                     row.update(status="error", message=f"output differs from the oracle: {err:.3g}")
+                if grads is not None:
+                    check_grads(row, grads, expected_grads, atol=GRAD_ATOL["bfloat16"])
             except Exception as exc:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(exc)
             writer.add(row)

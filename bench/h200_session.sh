@@ -10,7 +10,8 @@
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
 # and half of 37; runs 91-92 (one call) ran 37; runs 93-98 ran 38-43 (41 only its
-# non-causal half: both steps reached their limits compiling the causal 8-call stacks).
+# non-causal half: both steps reached their limits compiling the causal 8-call stacks);
+# run 99 ran 44 but its decode step, cut at its limit before a row.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -479,6 +480,16 @@ case "${1:?stage 1 to 37}" in
     suite 270 decode_stack --suite decode --set q_len=1 ragged=false layers=1,4 \
       kv_len=32768,131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" \
       "torch sdpa flash"
+    ;;
+  44)
+    # Gradient checks of every peer (dQ, dK, dV under a cotangent on the checked rows):
+    # bf16 and float32 peers at T 1024 hd 64, then a decode training row beside torch.
+    suite 120 grads_bf16 --suite attention --seq 1024 --set head_dim=64 dtype=bfloat16 \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash" "torch flex"
+    suite 70 grads_f32 --suite attention --seq 1024 --set head_dim=64 dtype=float32 \
+      causal=false --only "probjax auto" "torch sdpa efficient" "torch flex"
+    suite 150 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
+      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -124,6 +124,48 @@ def fwd_bwd_program(f: Callable, n_diff: int = 3) -> Callable:
     return jax.jit(step)
 
 
+# Attention gradients against the float32 oracle: bf16 (issue 9's bound) and TF32 peers.
+GRAD_ATOL = {"bfloat16": 0.06, "float16": 0.06, "float32": 0.02}
+
+
+def rows_cotangent(ct, rows: int):
+    """`ct` [batch, queries, ...] with the queries past the first `rows` zeroed.
+
+    Under such a cotangent dS vanishes on the other rows, so dK and dV, as dQ, come from
+    the first `rows` queries alone: `oracle_grads` computes all three at any length.
+    """
+    return ct.at[:, rows:].set(0)
+
+
+def oracle_grads(attend: Callable, q, k, v, ct, rows: int) -> tuple:
+    """Float32 `(dq, dk, dv)` of `attend(q, k, v)` for `rows_cotangent(ct, rows)`, with
+    `attend` computed on the first `rows` queries only (dq is zero past them). Its mask
+    must not depend on the number of queries (top-left causal, KV lengths, none): a
+    bottom-right causal mask shifts with it."""
+    import jax.numpy as jnp
+
+    rows = min(rows, q.shape[1])
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    _, pullback = jax.vjp(attend, f32(q[:, :rows]), f32(k), f32(v))
+    dq, dk, dv = pullback(f32(ct[:, :rows]))
+    dq = jnp.pad(dq, [(0, 0), (0, q.shape[1] - rows)] + [(0, 0)] * (q.ndim - 2))
+    return dq, dk, dv
+
+
+def check_grads(row: dict, grads, expected, *, atol: float) -> None:
+    """Record the largest |gradient - oracle| over dq, dk, dv in `row`; past `atol` (or
+    not finite) the row becomes an `error`, unless it already is one."""
+    import numpy as np
+
+    err = max(
+        float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(e, np.float32))))
+        for g, e in zip(grads, expected, strict=True)
+    )
+    row["max_grad_err"] = err
+    if row["status"] == "ok" and (not np.isfinite(err) or err > atol):
+        row.update(status="error", message=f"gradients differ from the reference: {err:.3g}")
+
+
 def stack(f: Callable, layers: int) -> Callable:
     """`layers` calls of `f(q, k, v, *rest)` in a row, each one's output the next one's queries:
     a stack of attention layers, timed per call as a model runs them in one program.

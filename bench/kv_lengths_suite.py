@@ -4,6 +4,7 @@ Every batch element keeps `fraction * seq` keys (`masks.KVLengths`); kernels tha
 key tiles past the length should take about `fraction` of the full time.
 """
 
+import functools
 import itertools
 
 import jax
@@ -12,10 +13,14 @@ import numpy as np
 
 from bench.attention_suite import CHECK_ROWS, FWD_ATOL
 from bench.harness import (
+    GRAD_ATOL,
     attention_kernel,
+    check_grads,
     classify,
     fwd_bwd_program,
+    oracle_grads,
     record,
+    rows_cotangent,
     select_grid,
     time_fn,
 )
@@ -36,7 +41,7 @@ def _measure(name, q, k, v, ct, mask, repeats):
     out = np.asarray(fwd(q, k, v)[:, :CHECK_ROWS], np.float32)
     fwd_ms = time_fn(lambda: fwd(q, k, v), jax.block_until_ready, repeats=repeats)
     bwd_ms = time_fn(lambda: grad(q, k, v, ct), jax.block_until_ready, repeats=repeats)
-    return out, fwd_ms, bwd_ms
+    return out, fwd_ms, bwd_ms, grad(q, k, v, rows_cotangent(ct, CHECK_ROWS))[1]
 
 
 def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=None):
@@ -50,11 +55,10 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
         )
         ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         mask = masks.KVLengths(jnp.full((b,), int(fraction * t), jnp.int32))
-        expected = np.asarray(
-            reference.attention(
-                q[:, :CHECK_ROWS], k, v, mask=mask, score_mod=None, scale=d**-0.5, oracle=True
-            )
-        )
+        oracle = functools.partial(reference.attention, mask=mask, score_mod=None,
+                                   scale=d**-0.5, oracle=True)  # fmt: skip
+        expected = np.asarray(oracle(q[:, :CHECK_ROWS], k, v))
+        expected_grads = oracle_grads(oracle, q, k, v, ct, CHECK_ROWS)
         flops = 4.0 * b * h * t * t * d * fraction
         for name in names:
             row = dict(
@@ -72,8 +76,9 @@ def run(writer, base_row, *, quick, repeats, only=None, seqs=None, overrides=Non
             )
             try:
                 attention_kernel(row, q, k, v, mask)
-                out, fwd_ms, bwd_ms = _measure(name, q, k, v, ct, mask, repeats)
+                out, fwd_ms, bwd_ms, grads = _measure(name, q, k, v, ct, mask, repeats)
                 record(row, out, expected, fwd_ms, bwd_ms, atol=FWD_ATOL["bfloat16"])
+                check_grads(row, grads, expected_grads, atol=GRAD_ATOL["bfloat16"])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)
             writer.add(row)

@@ -2,11 +2,12 @@
 
 Attention rows: `m` inducing points attending to `n` set elements and back (`Lq != Lkv`),
 bf16, heads of 32 dims, every implementation and peer of the attention suite on the
-same inputs (checked against the float32 oracle). Model rows: one `ISAB` layer's
-forward and train step (gradients of parameters and input) over a batch of sets, per
-attention implementation.
+same inputs (output and gradients checked against the float32 oracle). Model rows: one
+`ISAB` layer's forward and train step (gradients of parameters and input) over a batch
+of sets, per attention implementation.
 """
 
+import functools
 import itertools
 
 import jax
@@ -14,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import attention_suite
-from bench.harness import classify, record, select_grid, time_model_step
+from bench.harness import (
+    GRAD_ATOL,
+    check_grads,
+    classify,
+    oracle_grads,
+    record,
+    select_grid,
+    time_model_step,
+)
 from probjax_eqx import ISAB
 from probjax_eqx.kernels.reference import attention as reference
 
@@ -33,9 +42,10 @@ def _attention_rows(writer, base_row, shape, names, jax_impls, torch_impls, repe
                 for kk in keys[1:3])  # fmt: skip
         ct = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.bfloat16)
         rows = attention_suite.CHECK_ROWS
-        expected = np.asarray(reference.attention(
-            q[:, :rows], k, v, mask=None, score_mod=None, scale=HEAD_DIM**-0.5, oracle=True
-        ))  # fmt: skip
+        oracle = functools.partial(reference.attention, mask=None, score_mod=None,
+                                   scale=HEAD_DIM**-0.5, oracle=True)  # fmt: skip
+        expected = np.asarray(oracle(q[:, :rows], k, v))
+        expected_grads = oracle_grads(oracle, q, k, v, ct, rows)
         flops = 4.0 * b * h * lq * lkv * HEAD_DIM
         for name in names:
             row = dict(
@@ -49,10 +59,11 @@ def _attention_rows(writer, base_row, shape, names, jax_impls, torch_impls, repe
                 is_torch = name in torch_impls
                 timer = attention_suite._time_torch if is_torch else attention_suite._time_jax
                 impl = torch_impls[name] if is_torch else jax_impls[name]
-                out, fwd_ms, bwd_ms = timer(impl, q, k, v, ct, False, repeats)
+                out, fwd_ms, bwd_ms, grads = timer(impl, q, k, v, ct, False, repeats)
                 record(
                     row, out, expected, fwd_ms, bwd_ms, atol=attention_suite.FWD_ATOL["bfloat16"]
                 )
+                check_grads(row, grads, expected_grads, atol=GRAD_ATOL["bfloat16"])
             except Exception as e:  # noqa: BLE001 - every failure becomes a row
                 row["status"], row["message"] = classify(e)
             writer.add(row)

@@ -117,6 +117,33 @@ def test_fwd_bwd_program_is_the_vjp_on_an_output_dtype_cotangent_and_stacks_chai
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_oracle_grads_on_the_first_rows_equal_the_full_vjp_of_that_cotangent():
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.harness import check_grads, oracle_grads, rows_cotangent
+
+    from probjax_eqx import masks
+    from probjax_eqx.kernels.reference import attention as reference
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, ct = (jax.random.normal(key, (2, 12, 4, 8), jnp.float32) for key in keys[:2])
+    k, v = (jax.random.normal(key, (2, 20, 2, 8), jnp.float32) for key in keys[2:])
+    oracle = functools.partial(reference.attention, mask=masks.Causal(),
+                               score_mod=None, scale=0.3, oracle=True)  # fmt: skip
+    got = oracle_grads(oracle, q, k, v, ct, 5)
+    full = jax.vjp(oracle, q, k, v)[1](rows_cotangent(ct, 5))
+    for g, f in zip(got, full, strict=True):
+        np.testing.assert_allclose(g, f, rtol=1e-5, atol=1e-6)
+    row = dict(status="ok", message="")
+    check_grads(row, full, got, atol=1e-4)
+    assert row["status"] == "ok" and row["max_grad_err"] < 1e-4
+    check_grads(row, (full[0] + 0.1, *full[1:]), got, atol=0.06)
+    assert row["status"] == "error" and "gradients differ" in row["message"]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_sweep_configs_are_valid_over_the_gpu_default(causal):
     # A sweep's configs replace fields of the call's GPU default: one the config refuses
