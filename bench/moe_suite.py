@@ -1,5 +1,6 @@
 """MoE suite: one `MoE` layer's forward and train step per dispatch mode, and the
-grouped matmul alone against `jax.lax.ragged_dot` and a balanced dense ceiling.
+grouped matmul alone against `jax.lax.ragged_dot` and a balanced dense ceiling (its
+output and gradients checked against the exact product on sampled rows).
 
 Every mode's output is checked against the `"xla"` dispatch (exact, in XLA) on the same
 parameters before its time counts; `temp_bytes` is XLA's compiled scratch memory for the
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import classify, record, select_grid, time_fn, tokamax_peer
+from bench.harness import check_grads, classify, record, select_grid, time_fn, tokamax_peer
 from probjax_eqx import MoE, grouped_matmul
 
 # (d_model, d_ff, experts, top_k, shared_d_ff): a fine-grained DeepSeek-like layer.
@@ -26,6 +27,7 @@ GMM_IMPLS = ("xla", "triton", "mosaic", "tokamax", "ragged_dot", "dense balanced
 GMM_PEERS = ("tokamax", "ragged_dot", "dense balanced")
 MODES = ("auto", "xla", "triton", "mosaic", "pallas", "fused_gsum")
 BF16_ATOL = 6e-2
+BF16_RTOL = 2**-7  # one bf16 step: drhs sums a group's rows, past 8 at the quick shape
 
 
 def _layer(layer, mode, key):
@@ -137,6 +139,12 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
     group_of = np.searchsorted(ends, check, side="right")
     up = lambda x: np.asarray(x, np.float32)  # noqa: E731
     expected = np.einsum("rk,rkn->rn", up(lhs[check]), up(rhs)[group_of])
+    # Gradients under a cotangent on the checked rows alone: dlhs there and all of drhs
+    # come from those rows, so they are checked exactly at any size.
+    ct_check = jnp.zeros_like(ct).at[check].set(ct[check])
+    expected_dlhs = np.einsum("rn,rkn->rk", up(ct[check]), up(rhs)[group_of])
+    expected_drhs = np.zeros(rhs.shape, np.float32)
+    np.add.at(expected_drhs, group_of, np.einsum("rk,rn->rkn", up(lhs[check]), up(ct[check])))
     for name in GMM_IMPLS:
         if only is not None and f"grouped_matmul {name}" not in only:
             continue
@@ -171,6 +179,10 @@ def _grouped_matmul_rows(writer, base_row, tokens, layer, repeats, only):
             want = got if name == "dense balanced" else expected
             record(row, got, want, fwd_ms, bwd_ms, atol=BF16_ATOL,
                    bwd_factor=3.0, against="the exact product")  # fmt: skip
+            if name != "dense balanced":
+                dlhs, drhs = step(lhs, rhs, sizes, ct_check)[1]
+                check_grads(row, (dlhs[check], drhs), (expected_dlhs, expected_drhs),
+                            atol=BF16_ATOL, rtol=BF16_RTOL)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every failure becomes a row
             row["status"], row["message"] = classify(exc)
         writer.add(row)
