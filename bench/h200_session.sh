@@ -440,15 +440,18 @@ case "${1:?stage 1 to 37}" in
     # What the harness adds: JAX routes under the old grad-of-a-float32-loss timing and
     # the new fwd_bwd_program, torch SDPA on contiguous copies and on views of the JAX
     # layout; then the T 4096 hd 64/128 rows under the new harness.
-    step 200 probe_harness python3 -m bench.probe_harness --out "$out/probe_harness.json"
+    step 200 probe_harness python3 -m bench.probe_timing harness --rounds 2 \
+      --out "$out/probe_harness.json"
     suite 300 attention_4096 --suite attention --seq 4096 --set head_dim=64,128 \
       dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" \
       "torch sdpa cudnn" "torch sdpa flash"
     ;;
   39)
-    # What a dispatch adds (one call per program against 8 chained in one), then the
-    # T 16384 hd 128 rows under the new harness.
-    step 150 probe_dispatch python3 -m bench.probe_dispatch --out "$out/probe_dispatch.json"
+    # What a dispatch adds (one call per program against 8 chained in one; run 94 chained
+    # by a fori_loop, since replaced by stage 41's unrolled chain), then the T 16384
+    # hd 128 rows under the new harness.
+    step 150 probe_dispatch python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_dispatch.json"
     suite 330 attention_16384 --suite attention --seq 16384 --set head_dim=128 \
       dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
@@ -463,8 +466,9 @@ case "${1:?stage 1 to 37}" in
   41)
     # Per call, alone in a program and as 8 chained calls in one (unrolled), JAX's routes
     # and torch's, T 4096 hd 128 and hd 64.
-    step 200 probe_dispatch python3 -m bench.probe_dispatch --out "$out/probe_dispatch.json"
-    step 150 probe_dispatch_64 python3 -m bench.probe_dispatch --head-dim 64 \
+    step 200 probe_dispatch python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_dispatch.json"
+    step 150 probe_dispatch_64 python3 -m bench.probe_timing dispatch --head-dim 64 \
       --out "$out/probe_dispatch_64.json"
     ;;
   42)

@@ -1,0 +1,172 @@
+"""What the timing itself adds to an attention call: `python -m bench.probe_timing PROBE`.
+
+At B4 H8 bf16 (T, hd, causal from the flags), JAX's routes (ours and `jax.nn` cuDNN)
+beside torch SDPA, in one process:
+
+- `harness` (rows of suite `probe_harness`, fwd+bwd ms): JAX timed as the suites did
+  until run 92 (`grad` of `sum(out.astype(f32) * ct)` over a float32 `ct`) and as they
+  do now (`fwd_bwd_program`: `jax.vjp` on a bf16 `ct`); torch on contiguous [B, H, T, D]
+  copies, as the suites give it, and on the [B, H, T, D] view of the same [B, T, H, D]
+  memory the JAX routes read (`x.view(B, T, H, D).transpose(1, 2)` in torch models).
+  `--rounds` alternates every route that many times.
+- `dispatch` (suite `probe_dispatch`, ms per call): one call per dispatched program, as
+  the suites time it, and `--calls` chained calls in one program (`harness.stack`), as a
+  model's layers run in one jitted step; torch runs the same call and chain eagerly.
+  Torch SDPA cuDNN ran T 4096 hd 128 fwd in 0.452 ms where JAX's route to the same
+  kernels took 0.482 (run 93); ncu timed those kernels alike in both (run 95). Run 94
+  chained with a `fori_loop` instead: slower per call (0.489 vs 0.466 ms fwd), the
+  loop's own work.
+"""
+
+import argparse
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from bench.attention_suite import _jax_impls, _torch_impls
+from bench.harness import (
+    RowWriter,
+    device_info,
+    fwd_bwd_program,
+    stack,
+    time_fn,
+    versions,
+    warm_up_device,
+)
+
+JAX_ROUTES = ["probjax auto", "probjax mosaic", "jax.nn cudnn"]
+
+
+def _with_mask(q, k, v, *, impl, causal):
+    return impl(q, k, v, causal)
+
+
+def _torch_operands(q, k, v, ct, contiguous=True):
+    import torch
+
+    def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
+        t = torch.from_dlpack(x).transpose(1, 2).detach()
+        return t.clone() if contiguous else t
+
+    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct))
+    for t in (qt, kt, vt):
+        t.requires_grad_(True)
+    return qt, kt, vt, ctt
+
+
+def _torch_time(fn):
+    import torch
+
+    return time_fn(fn, lambda _: torch.cuda.synchronize())
+
+
+def _torch_fwd_bwd(f, qt, kt, vt, ctt):
+    for t in (qt, kt, vt):
+        t.grad = None
+    f(qt, kt, vt).backward(ctt)
+
+
+def _harness_jax(f, q, k, v, ct, args):
+    def loss(q, k, v, ct):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+
+    old, new = jax.jit(jax.grad(loss, argnums=(0, 1, 2))), fwd_bwd_program(f)
+    ct32 = ct.astype(jnp.float32)
+    sync = jax.block_until_ready
+    return {
+        "grad, f32 ct": time_fn(lambda: old(q, k, v, ct32), sync),
+        "vjp, bf16 ct": time_fn(lambda: new(q, k, v, ct), sync),
+    }
+
+
+def _harness_torch(f, q, k, v, ct, args):
+    out = {}
+    for layout in ("contiguous", "view"):
+        operands = _torch_operands(q, k, v, ct, contiguous=layout == "contiguous")
+        out[layout] = _torch_time(functools.partial(_torch_fwd_bwd, f, *operands))
+    return out
+
+
+def _dispatch_jax(f, q, k, v, ct, args):
+    chained = stack(f, args.calls)
+    programs = {
+        "fwd": (jax.jit(f), 1),
+        "fwd+bwd": (fwd_bwd_program(f), 1),
+        "fwd chain": (jax.jit(chained), args.calls),
+        "fwd+bwd chain": (fwd_bwd_program(chained), args.calls),
+    }
+    out = {}
+    for how, (program, calls) in programs.items():
+        operands = (q, k, v, ct) if "bwd" in how else (q, k, v)
+        out[how] = time_fn(functools.partial(program, *operands), jax.block_until_ready) / calls
+    return out
+
+
+def _dispatch_torch(f, q, k, v, ct, args):
+    import torch
+
+    qt, kt, vt, ctt = _torch_operands(q, k, v, ct)
+    out = {}
+    for how, calls in (("", 1), (" chain", args.calls)):
+        chained = stack(f, calls)
+
+        def fwd(chained=chained):
+            with torch.no_grad():
+                return chained(qt, kt, vt)
+
+        out["fwd" + how] = _torch_time(fwd) / calls
+        out["fwd+bwd" + how] = _torch_time(
+            functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
+        ) / calls  # fmt: skip
+    return out
+
+
+PROBES = {  # name: (JAX timings, torch timings, torch routes, the rows' time field)
+    "harness": (_harness_jax, _harness_torch, ["torch sdpa cudnn", "torch sdpa flash"],
+                "fwd_bwd_ms"),
+    "dispatch": (_dispatch_jax, _dispatch_torch, ["torch sdpa cudnn"], "ms_per_call"),
+}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("probe", choices=sorted(PROBES))
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--seq", type=int, nargs="*", default=[4096])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    parser.add_argument("--rounds", type=int, default=1, help="alternations of every route")
+    parser.add_argument("--calls", type=int, default=8, help="calls in a chain (dispatch)")
+    args = parser.parse_args()
+    jax_timings, torch_timings, torch_routes, field = PROBES[args.probe]
+    warm_up_device()
+    writer = RowWriter(args.out)
+    base = dict(device=device_info(), versions=versions(), suite=f"probe_{args.probe}")
+    jax_impls, torch_impls = _jax_impls(), _torch_impls()
+    jax_routes = JAX_ROUTES
+    if jax.devices()[0].platform != "gpu":  # a CPU smoke run
+        jax_routes = ["probjax auto", "jax.nn xla"]
+    torch_routes = [n for n in torch_routes if n in torch_impls]
+    for t in args.seq:
+        shape = (4, t, 8, args.head_dim)
+        keys = jax.random.split(jax.random.key(t), 4)
+        q, k, v, ct = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
+        for causal in map(bool, args.causal):
+            case = dict(batch=4, heads=8, seq=t, head_dim=args.head_dim, causal=causal)
+            for round_ in range(args.rounds):
+                for name in jax_routes + torch_routes:
+                    is_torch = name in torch_routes
+                    impl = (torch_impls if is_torch else jax_impls)[name]
+                    f = functools.partial(_with_mask, impl=impl, causal=causal)
+                    timings = (torch_timings if is_torch else jax_timings)(f, q, k, v, ct, args)
+                    for how, ms in timings.items():
+                        writer.add(dict(base, implementation=name, how=how, round=round_,
+                                        shape=case, dtype="bfloat16", **{field: ms}))  # fmt: skip
+                        print(f"{t} hd{args.head_dim} causal={causal} {name:18s} {how:14s} "
+                              f"{ms:.3f} ms", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
