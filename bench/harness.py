@@ -1,10 +1,10 @@
 """Benchmark harness: timing, environment metadata, JSON rows.
 
 A row: suite, implementation, peer, shape, dtype, mask, fwd_ms, fwd_bwd_ms, tflops_fwd,
-tflops_fwd_bwd, status (ok / OOM / unsup. / error), message, max_abs_err, device,
-versions. Times are medians over `repeats` runs after `warmup` runs, each synchronised
-(`block_until_ready` for JAX, `torch.cuda.synchronize` for torch), so every
-implementation is timed the same way.
+tflops_fwd_bwd, status (ok / OOM / unsup. / error), message, max_abs_err, max_grad_err
+(where gradients are checked), device, versions. Times are medians over `repeats` runs
+after `warmup` runs, each synchronised (`block_until_ready` for JAX,
+`torch.cuda.synchronize` for torch), so every implementation is timed the same way.
 """
 
 import dataclasses
