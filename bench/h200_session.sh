@@ -5,7 +5,8 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 45 (every peer's gradients at the long shapes, and
+# decode's training rows), 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -492,6 +493,14 @@ case "${1:?stage 1 to 37}" in
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash" "torch flex"
     suite 70 grads_f32 --suite attention --seq 1024 --set head_dim=64 dtype=float32 \
       causal=false --only "probjax auto" "torch sdpa efficient" "torch flex"
+    suite 150 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
+      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+    ;;
+  45)
+    # The gradient checks at T 4096 / 16384 (hd 64/128, causal and not) for our default
+    # and every peer that ran there, then decode's training rows (run 99 cut them).
+    suite 330 grads_long --suite attention --seq 4096 16384 --set head_dim=64,128 \
+      dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     suite 150 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
       --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
     ;;
