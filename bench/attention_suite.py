@@ -130,8 +130,8 @@ def _time_jax(f, q, k, v, ct, causal, repeats, layers=1):
     """`(out's first CHECK_ROWS queries, fwd ms, fwd+bwd ms, (dq, dk, dv) under
     rows_cotangent(ct, CHECK_ROWS))`, per call of a stack of `layers`."""
     one = functools.partial(_call, f, causal=causal)
-    out = jax.jit(one)(q, k, v)
     fwd = jax.jit(stack(one, layers))
+    out = (fwd if layers == 1 else jax.jit(one))(q, k, v)
     # ct an argument: closed over, XLA folds a copy of it
     fwd_bwd = fwd_bwd_program(stack(one, layers))
     check = fwd_bwd if layers == 1 else fwd_bwd_program(one)
