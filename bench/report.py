@@ -156,7 +156,9 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         "cost per dispatched program that torch's launches do not, and a model pays it once",
         "per step, not once per layer. JAX fwd+bwd times take `jax.vjp` on a cotangent in the",
         "output's dtype (`harness.fwd_bwd_program`), as torch's `backward` gets it; rows before",
-        "run 93 (H100) also timed a conversion of a float32 cotangent.",
+        "run 93 (H100) also timed a conversion of a float32 cotangent. `ok, grads E`: the",
+        "row's gradients were checked against the float32 oracle too (rows from run 99 on),",
+        "E the largest |difference|.",
         "",
     ]
     if logs is not None:
@@ -188,6 +190,8 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
                 status = row["status"] if row["status"] == "ok" else (
                     f"{row['status']}: {row['message'][:60]}"
                 )  # fmt: skip
+                if row["status"] == "ok" and "max_grad_err" in row:
+                    status += f", grads {row['max_grad_err']:.1e}"
                 cells = [label, mark, status, _fmt(row.get("fwd_ms")), _fmt(t),
                          _fmt(row.get("tflops_fwd_bwd"), 0), _fmt(ratio, 2)]  # fmt: skip
                 if memory:

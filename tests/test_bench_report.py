@@ -23,7 +23,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     rows = [
         _row("probjax auto", 2.0),
         _row("torch sdpa cudnn", 1.6, peer=True),  # a peer that wins: a known gap
-        _row("jax.nn xla", 6.0, peer=True),
+        _row("jax.nn xla", 6.0, peer=True, max_grad_err=0.0117),  # gradients checked
         _row("probjax mosaic", 0.0, status="unsup.", message="UnsupportedError: no"),
         _row("probjax triton", 1.8, kernel="triton"),
         # The newer run wins; its default names the kernel it ran.
@@ -41,7 +41,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - | 3 |" in text  # its run
     # Ratios pair rows of one run: run 1's default (2.0), not the newer run's (1.5).
     assert "torch sdpa cudnn | ok | 0.533 | 1.600 | - | 0.80 |" in text
-    assert "jax.nn xla | ok | 2.000 | 6.000 | - | 3.00 |" in text
+    assert "jax.nn xla | ok, grads 1.2e-02 | 2.000 | 6.000 | - | 3.00 |" in text
     assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - |" in text
     assert "unsup.: UnsupportedError: no" in text
     assert "| 1.00 | 1.00 |" in text.split("## moe")[1]  # ratio, then the plan in GiB
