@@ -18,6 +18,7 @@ from bench.harness import (
     attention_kernel,
     check_grads,
     classify,
+    from_torch,
     fwd_bwd_program,
     oracle_grads,
     record,
@@ -25,6 +26,7 @@ from bench.harness import (
     select_grid,
     stack,
     time_fn,
+    to_torch,
     tokamax_peer,
     torch_attention,
 )
@@ -150,9 +152,6 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
     """`_time_jax`'s results for a torch implementation, in JAX's layout."""
     import torch
 
-    def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
-        return torch.from_dlpack(x).transpose(1, 2).detach().clone()
-
     qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct.astype(q.dtype)))
     for t in (qt, kt, vt):
         t.requires_grad_(True)
@@ -170,12 +169,9 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
             t.grad = None
         stacked(qt, kt, vt).backward(ctt)
 
-    def to_jax_layout(t):
-        return t.transpose(1, 2).float().cpu().numpy()
-
-    out = to_jax_layout(fwd(one)[:, :, :CHECK_ROWS])
+    out = from_torch(fwd(one)[:, :, :CHECK_ROWS])
     one(qt, kt, vt).backward(to_torch(rows_cotangent(ct.astype(q.dtype), CHECK_ROWS)))
-    grads = tuple(to_jax_layout(t.grad) for t in (qt, kt, vt))
+    grads = tuple(from_torch(t.grad) for t in (qt, kt, vt))
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
     bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()

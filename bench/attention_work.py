@@ -21,7 +21,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from bench.harness import device_work, fwd_bwd_program, tokamax_peer, torch_attention
+from bench.harness import device_work, fwd_bwd_program, to_torch, tokamax_peer, torch_attention
 from probjax_eqx import dot_product_attention, explain_attention, masks
 
 
@@ -54,7 +54,7 @@ def _launch_torch(q, k, v, ct, causal, launches):
     """Torch SDPA pinned to cuDNN on the same operands, `launches` times fwd and fwd+bwd:
     which cuDNN kernels torch's graphs select, for ncu to time beside JAX's."""
     torch, SDPBackend, sdpa_kernel, *_ = torch_attention()
-    qt, kt, vt, ctt = (torch.from_dlpack(x).transpose(1, 2).detach().clone() for x in (q, k, v, ct))
+    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct))
     for t in (qt, kt, vt):
         t.requires_grad_(True)
     sdpa = torch.nn.functional.scaled_dot_product_attention

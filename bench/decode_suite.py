@@ -24,11 +24,13 @@ from bench.harness import (
     attention_kernel,
     check_grads,
     classify,
+    from_torch,
     fwd_bwd_program,
     oracle_grads,
     select_grid,
     stack,
     time_fn,
+    to_torch,
     tokamax_peer,
     torch_attention,
 )
@@ -131,9 +133,6 @@ def _time_jax(f, q, k, v, ct, lengths, repeats, train, layers):
 def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
     import torch
 
-    def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
-        return torch.from_dlpack(x).transpose(1, 2).detach().clone()
-
     qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct.astype(q.dtype)))
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
@@ -143,14 +142,14 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
         with torch.no_grad():
             return call(qt, kt, vt, lengths)
 
-    out = fwd(f).transpose(1, 2)[:1].float().cpu().numpy()
+    out = from_torch(fwd(f)[:1])
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
     bwd_ms = grads = None
     if train:
         for t in (qt, kt, vt):
             t.requires_grad_(True)
         f(qt, kt, vt, lengths).backward(ctt)
-        grads = tuple(t.grad[:1].transpose(1, 2).float().cpu().numpy() for t in (qt, kt, vt))
+        grads = tuple(from_torch(t.grad[:1]) for t in (qt, kt, vt))
 
         def fwd_bwd():
             for t in (qt, kt, vt):

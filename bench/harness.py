@@ -334,6 +334,20 @@ def torch_attention():
     return torch, SDPBackend, sdpa_kernel, create_block_mask, flex_attention
 
 
+def to_torch(x, *, copy: bool = True):
+    """A JAX `[B, T, H, D]` array as torch's `[B, H, T, D]`: a contiguous copy, as the
+    suites give torch, or (`copy=False`) a view of the same memory."""
+    import torch
+
+    t = torch.from_dlpack(x).transpose(1, 2).detach()
+    return t.clone() if copy else t
+
+
+def from_torch(t):
+    """A torch `[B, H, T, D]` tensor as a float32 NumPy `[B, T, H, D]` array."""
+    return t.transpose(1, 2).float().cpu().numpy()
+
+
 def tokamax():
     """The `tokamax` module when it imports (a carried wheel, Python >= 3.12, jax >= 0.11.1),
     else the reason it does not: its peers then record `unsup.` rows with that reason.

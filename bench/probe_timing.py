@@ -32,6 +32,7 @@ from bench.harness import (
     fwd_bwd_program,
     stack,
     time_fn,
+    to_torch,
     versions,
     warm_up_device,
 )
@@ -44,13 +45,7 @@ def _with_mask(q, k, v, *, impl, causal):
 
 
 def _torch_operands(q, k, v, ct, contiguous=True):
-    import torch
-
-    def to_torch(x):  # [B, T, H, D] -> [B, H, T, D]
-        t = torch.from_dlpack(x).transpose(1, 2).detach()
-        return t.clone() if contiguous else t
-
-    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct))
+    qt, kt, vt, ctt = (to_torch(x, copy=contiguous) for x in (q, k, v, ct))
     for t in (qt, kt, vt):
         t.requires_grad_(True)
     return qt, kt, vt, ctt

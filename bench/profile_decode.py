@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.decode_suite import ragged_lengths
-from bench.harness import device_work
+from bench.harness import device_work, to_torch
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -42,7 +42,7 @@ def run_case(case: str, launches: int = 1):
 
         backend = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
                    "torch-flash": SDPBackend.FLASH_ATTENTION}[impl]  # fmt: skip
-        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        qt, kt, vt = (to_torch(x, copy=False) for x in (q, k, v))
         with sdpa_kernel(backend), torch.no_grad():
             for _ in range(launches):
                 torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)

@@ -13,7 +13,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.harness import RowWriter, classify, time_fn, warm_up_device
+from bench.harness import RowWriter, classify, time_fn, to_torch, warm_up_device
 from probjax_eqx import dot_product_attention
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
@@ -85,7 +85,7 @@ def _runner(impl, cfg, q, k, v):
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+        qt, kt, vt = (to_torch(x, copy=False) for x in (q, k, v))
 
         def run():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
