@@ -103,7 +103,9 @@ def _torch_impls() -> dict[str, Callable]:
     def sdpa(backend):
         def f(q, k, v, causal):
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+                )
 
         return f
 

@@ -4,7 +4,8 @@ For each implementation (ours: `auto`, `cudnn`, `mosaic`, `triton`, `xla`, or on
 with config fields set over its default, `mosaic+fused_dq+launch_group=4`; the peers
 `jax.nn-cudnn` and `tokamax-mosaic`), the compiled forward and forward+backward programs'
 device work (the kernels, and every fusion, copy or transpose around them), at B4 H8
-bf16; `torch-cudnn` (torch SDPA pinned to cuDNN) only launches, for the profiler. JAX's
+bf16 (`--shape` for others: cross-attention, GQA); `torch-cudnn` (torch SDPA pinned to
+cuDNN) only launches, for the profiler. JAX's
 route to cuDNN and torch's run the same kernels for the same time under ncu (run 95, T
 4096 hd 128: fwd 408 us, bwd 1.15 ms); these lists show what a route adds around them.
 
@@ -57,13 +58,14 @@ def _launch_torch(q, k, v, ct, causal, launches):
     qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct))
     for t in (qt, kt, vt):
         t.requires_grad_(True)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                             is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         print(f"torch-cudnn fwd+bwd {tuple(q.shape)} causal={causal}", flush=True)
         for _ in range(launches):
             with torch.no_grad():
-                sdpa(qt, kt, vt, is_causal=causal)
-            sdpa(qt, kt, vt, is_causal=causal).backward(ctt)
+                sdpa(qt, kt, vt)
+            sdpa(qt, kt, vt).backward(ctt)
         torch.cuda.synchronize()
 
 
@@ -73,11 +75,17 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--shape", metavar="B,LQ,LKV,HQ,HKV", help="not B4, --seq, H8")
     parser.add_argument("--launch", type=int, default=0, help="runs of each program")
     args = parser.parse_args()
-    shape = (4, args.seq, 8, args.head_dim)
+    batch, q_len, kv_len, heads, kv_heads = (
+        map(int, args.shape.split(",")) if args.shape else (4, args.seq, args.seq, 8, 8)
+    )
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    shape = (batch, q_len, heads, args.head_dim)
+    kv_shape = (batch, kv_len, kv_heads, args.head_dim)
+    q, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[::3])
+    k, v = (jax.random.normal(key, kv_shape, jnp.bfloat16) for key in keys[1:3])
     for impl in args.impls:
         if impl == "torch-cudnn":
             _launch_torch(q, k, v, ct, args.causal, args.launch)
@@ -88,7 +96,7 @@ def main():
             "fwd+bwd": (fwd_bwd_program(f), (q, k, v, ct)),
         }
         for part, (fn, operands) in programs.items():
-            print(f"{impl} {part} {shape} causal={args.causal}", flush=True)
+            print(f"{impl} {part} {shape} over {kv_shape} causal={args.causal}", flush=True)
             try:
                 compiled = fn.lower(*operands).compile()
                 for line in device_work(compiled.as_text()):

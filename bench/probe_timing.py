@@ -1,7 +1,8 @@
 """What the timing itself adds to an attention call: `python -m bench.probe_timing PROBE`.
 
-At B4 H8 bf16 (T, hd, causal from the flags), JAX's routes (ours and `jax.nn` cuDNN)
-beside torch SDPA, in one process:
+At B4 H8 bf16 (T, hd, causal from the flags; `--shape` for cross-attention and GQA),
+JAX's routes (ours and `jax.nn` cuDNN; `--routes` for others) beside torch SDPA, in one
+process:
 
 - `harness` (rows of suite `probe_harness`, fwd+bwd ms): JAX timed as the suites did
   until run 92 (`grad` of `sum(out.astype(f32) * ct)` over a float32 `ct`) and as they
@@ -38,6 +39,17 @@ from bench.harness import (
 )
 
 JAX_ROUTES = ["probjax auto", "probjax mosaic", "jax.nn cudnn"]
+
+
+def _repeat_kv(f):
+    """`f` on K/V whose heads are repeated to the query heads' count (GQA run as MHA)."""
+
+    def repeated(q, k, v, causal):
+        groups = q.shape[2] // k.shape[2]
+        k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+        return f(q, k, v, causal)
+
+    return repeated
 
 
 def _with_mask(q, k, v, *, impl, causal):
@@ -92,6 +104,8 @@ def _dispatch_jax(f, q, k, v, ct, args):
         "fwd chain": (jax.jit(chained), args.calls),
         "fwd+bwd chain": (fwd_bwd_program(chained), args.calls),
     }
+    if args.calls == 1:  # no chains: one call per program alone
+        programs = {how: p for how, p in programs.items() if "chain" not in how}
     out = {}
     for how, (program, calls) in programs.items():
         operands = (q, k, v, ct) if "bwd" in how else (q, k, v)
@@ -104,7 +118,7 @@ def _dispatch_torch(f, q, k, v, ct, args):
 
     qt, kt, vt, ctt = _torch_operands(q, k, v, ct)
     out = {}
-    for how, calls in (("", 1), (" chain", args.calls)):
+    for how, calls in (("", 1), (" chain", args.calls))[: 1 + (args.calls > 1)]:
         chained = stack(f, calls)
 
         def fwd(chained=chained):
@@ -130,26 +144,51 @@ def main():
     parser.add_argument("probe", choices=sorted(PROBES))
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--seq", type=int, nargs="*", default=[4096])
+    parser.add_argument(
+        "--shape",
+        nargs="*",
+        default=[],
+        metavar="B,LQ,LKV,HQ,HKV",
+        help="shapes other than B4 H8 at --seq (cross-attention, GQA)",
+    )
+    parser.add_argument(
+        "--routes",
+        nargs="*",
+        help=f"JAX routes (default {JAX_ROUTES}); "
+        "NAME+repeat_kv runs NAME on K/V repeated to the query heads",
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=1, help="alternations of every route")
-    parser.add_argument("--calls", type=int, default=8, help="calls in a chain (dispatch)")
+    parser.add_argument("--calls", type=int, default=8,
+                        help="calls in a chain (dispatch); 1: no chains")  # fmt: skip
     args = parser.parse_args()
     jax_timings, torch_timings, torch_routes, field = PROBES[args.probe]
     warm_up_device()
     writer = RowWriter(args.out)
     base = dict(device=device_info(), versions=versions(), suite=f"probe_{args.probe}")
     jax_impls, torch_impls = _jax_impls(), _torch_impls()
-    jax_routes = JAX_ROUTES
+    jax_routes = args.routes or JAX_ROUTES
     if jax.devices()[0].platform != "gpu":  # a CPU smoke run
-        jax_routes = ["probjax auto", "jax.nn xla"]
+        jax_routes = args.routes or ["probjax auto", "jax.nn xla"]
+    for name in jax_routes:
+        base_name, _, variant = name.partition("+")
+        if variant == "repeat_kv":
+            jax_impls[name] = _repeat_kv(jax_impls[base_name])
     torch_routes = [n for n in torch_routes if n in torch_impls]
-    for t in args.seq:
-        shape = (4, t, 8, args.head_dim)
-        keys = jax.random.split(jax.random.key(t), 4)
-        q, k, v, ct = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
+    shapes = [tuple(map(int, s.split(","))) for s in args.shape]
+    shapes = shapes or [(4, t, t, 8, 8) for t in args.seq]
+    for batch, q_len, kv_len, heads, kv_heads in shapes:
+        keys = jax.random.split(jax.random.key(q_len), 4)
+        q, ct = (jax.random.normal(kk, (batch, q_len, heads, args.head_dim), jnp.bfloat16)
+                 for kk in keys[::3])  # fmt: skip
+        k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, args.head_dim), jnp.bfloat16)
+                for kk in keys[1:3])  # fmt: skip
         for causal in map(bool, args.causal):
-            case = dict(batch=4, heads=8, seq=t, head_dim=args.head_dim, causal=causal)
+            case = dict(batch=batch, heads=heads, seq=q_len, head_dim=args.head_dim,
+                        causal=causal)  # fmt: skip
+            if (kv_len, kv_heads) != (q_len, heads):
+                case.update(kv_seq=kv_len, kv_heads=kv_heads)
             for round_ in range(args.rounds):
                 for name in jax_routes + torch_routes:
                     is_torch = name in torch_routes
@@ -159,8 +198,8 @@ def main():
                     for how, ms in timings.items():
                         writer.add(dict(base, implementation=name, how=how, round=round_,
                                         shape=case, dtype="bfloat16", **{field: ms}))  # fmt: skip
-                        print(f"{t} hd{args.head_dim} causal={causal} {name:18s} {how:14s} "
-                              f"{ms:.3f} ms", flush=True)  # fmt: skip
+                        print(f"{q_len}/{kv_len} hd{args.head_dim} causal={causal} "
+                              f"{name:18s} {how:14s} {ms:.3f} ms", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
