@@ -5,14 +5,13 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 45 (every peer's gradients at the long shapes, and
-# decode's training rows), 12's parts that runs 44-47 did not reach.
+# Not yet run, in order of need: 50, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
 # and half of 37; runs 91-92 (one call) ran 37; runs 93-98 ran 38-43 (41 only its
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
-# run 99 ran 44 but its decode step, cut at its limit before a row.
+# run 99 ran 44 but its decode step, cut at its limit before a row; run 100 ran 45, run 101 46, run 102 47, run 103 48, run 104 49.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -57,7 +56,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 37}" in
+case "${1:?stage 1 to 50}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -503,6 +502,61 @@ case "${1:?stage 1 to 37}" in
       dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     suite 150 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
       --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+    ;;
+  46)
+    # Which cuDNN kernels each route runs where torch's cuDNN leads by more than a
+    # dispatch: decode's training shape (8 x 128 queries over 8192 keys, 32 heads over 8;
+    # run 100 fwd+bwd 2.240 vs 1.748 ms) and T 16384 hd 128 causal (14.82 vs 14.19);
+    # then the split-KV plan at batch 1, 8 KV heads on the H100 (torch cuDNN 0.88x).
+    step 150 ncu_decode_train env NCU_LIMIT=140 bash bench/ncu.sh "$out" decode_train \
+      bench.attention_work cudnn torch-cudnn --shape 8,128,8192,32,8 --launch 1
+    step 150 ncu_causal_16k env NCU_LIMIT=140 bash bench/ncu.sh "$out" causal_16k \
+      bench.attention_work jax.nn-cudnn torch-cudnn --seq 16384 --causal --launch 1
+    step 250 sweep_decode python3 -m bench.sweep_decode --out "$out/sweep_decode.json" \
+      --shape 1,131072,8 1,32768,8 --programs 132 264 528 1056
+    ;;
+  47)
+    # Decode training (8 x 128 queries over 8192 keys, 32 heads over 8): JAX's cuDNN route
+    # runs torch's kernels (run 101) yet took 2.240 ms fwd+bwd to torch's 1.748: per call,
+    # alone and 4 in a program, beside GQA run as MHA (K/V repeated) and our kernels.
+    # Then decoding under the H100's tiles (64-key steps, 4 warps, one program per SM).
+    step 200 probe_gqa python3 -m bench.probe_timing dispatch --out "$out/probe_gqa.json" \
+      --shape 8,128,8192,32,8 --causal 0 --calls 4 --routes "probjax auto" \
+      "jax.nn cudnn" "jax.nn cudnn+repeat_kv" "probjax mosaic" "probjax triton"
+    suite 230 decode_q1 --suite decode --set q_len=1 ragged=false \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  48)
+    # Where GQA without a mask belongs: run 102 had our Mosaic kernel at 1.214 ms fwd+bwd
+    # for 8 x 128 queries over 8192 keys, 32 heads over 8, torch SDPA cuDNN 1.739, JAX's
+    # cuDNN route 2.269 (cuDNN's backward writes dK/dV per query head, then sums them).
+    # Longer query blocks, self-attention, MHA and longer keys, one call per program.
+    step 290 probe_grouped python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_grouped.json" --causal 0 --calls 1 \
+      --routes "probjax cudnn" "probjax mosaic" --shape 8,128,8192,32,8 \
+      8,512,8192,32,8 8,1024,8192,32,8 2,4096,4096,32,8 8,128,8192,32,32 \
+      8,128,32768,32,8
+    ;;
+  49)
+    # GQA without a mask up to 1024 queries now goes to Mosaic (run 103): its GPU tests,
+    # then the decode suite's training rows (gradients checked) beside torch; then every
+    # device event of JAX's cuDNN fwd+bwd at 128 queries over 8192 keys, MHA and GQA
+    # (both ~0.4 ms over torch's same kernels: memsets? copies? idle?).
+    gpu_tests 110 -k "grouped_cross or (mosaic_matches_oracle and none)"
+    suite 200 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192,32768 \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    step 120 trace_cudnn python3 -m bench.trace_program --routes "probjax cudnn" \
+      --shape 8,128,8192,32,32 8,128,8192,32,8
+    ;;
+  50)
+    # Training where few query rows go to the split-KV Triton kernel (MHA 128 queries,
+    # GQA 16 queries) and a batch-1 grouped call, our three kernels beside torch cuDNN.
+    # (Run 104's trace: JAX's cuDNN backward zero-fills dK and dV, 2 x 164 us at MHA 128
+    # over 8192 keys, and GQA's per-query-head dK/dV, 334 us; torch's does not.)
+    step 330 probe_few_rows python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_few_rows.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax triton" "probjax cudnn" \
+      --shape 8,128,8192,32,32 8,16,8192,32,8 1,128,32768,32,8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
