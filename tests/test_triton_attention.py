@@ -390,9 +390,10 @@ def test_few_query_plan_splits_and_packs():
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(decode, h200)
-    assert cfg.pack_gqa and (cfg.block_q, cfg.block_k, cfg.num_stages) == (16, 128, 3)
-    # 8 programs (1 batch x 8 KV heads) of 196 KiB shared memory: one per SM, 132 at once;
-    # 15 splits fill 91% of one wave.
+    assert cfg.pack_gqa and (cfg.block_q, cfg.block_k, cfg.num_stages) == (16, 64, 3)
+    assert cfg.num_warps == 4
+    # 8 programs (1 batch x 8 KV heads) of 100 KiB shared memory: two would fit an SM, the
+    # forward fills one per SM, 132 at once; 15 splits fill 91% of one wave.
     assert cfg.num_splits == 15
     # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 19 splits, 4.6 waves.
     lengths = (("kv_lengths",),)

@@ -203,6 +203,13 @@ def resolve_backward(config: TritonAttentionConfig, call: AttentionCall, device:
 
 _TILE_SKIPPING = frozenset({"causal", "local_window", "block_diagonal", "segments"})
 
+# Decoding tiles (key step, warps, stages), per registry entry. The H100 read K/V fastest
+# in 64-key steps with 4 warps, one program per SM (`SPLIT_KV_RULES`): batch 1, 8 KV heads
+# over 131,072 keys 0.181 ms vs 0.191 for 128-key steps with 8 warps (run 101); batch 8
+# 1.360 vs 1.373 (run 83). The H200 (run 16, before the kernel read its operands in
+# place) had preferred 128-key steps at batch 8 by 1.8%; generic devices keep those.
+DECODE_TILES = {"sm_90": (64, 4, 3), "generic": (128, 8, 3)}
+
 
 def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
     """Tiles for `call`: large tiles, shrunk only while the shared memory would not fit."""
@@ -216,13 +223,12 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # Short sequences do not need tiles longer than themselves.
     fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
     pack, rows, _ = _query_rows(call)
-    # One query tile of 16 rows per head (decoding) is bandwidth-bound: 128-key steps in
-    # 3 stages, one program per SM by shared memory, read K/V fastest (H200 sweep, run
-    # 16: 0.991 ms vs 1.009 for 64-key steps at batch 8, 131,072 keys, 8 KV heads). The
-    # H100 (run 83) preferred 64-key steps with 4 warps by <= 2.5% (1.359 vs 1.374 ms
-    # there; batch 1, 32 KV heads, 32,768 keys: 0.180 vs 0.185), so no one tile wins both.
+    # One query tile of 16 rows per head (decoding) is bandwidth-bound: its key steps,
+    # warps and stages per registry entry (`DECODE_TILES`).
     decode = rows <= _MIN_BLOCK
-    block_q, block_k, stages = fit(64 if fine else 128, rows), (128 if decode else 64), 3
+    decode_k, decode_warps, stages = DECODE_TILES.get(device.registry_key, DECODE_TILES["generic"])
+    block_q, block_k = fit(64 if fine else 128, rows), (decode_k if decode else 64)
+    stages = stages if decode else 3
     while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
         if block_k > 32:
             block_k //= 2
@@ -249,7 +255,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         block_k_dkv=128 if wide_dkv else fit(bwd, call.kv_len),
         block_q_dq=fit(bwd, call.q_len),
         block_k_dq=fit(step, call.kv_len),
-        num_warps=4 if d <= 64 or fine else 8,
+        num_warps=decode_warps if decode else 4 if d <= 64 or fine else 8,
         num_warps_bwd=4,
         num_stages=stages,
         pack_gqa=pack,
@@ -262,7 +268,9 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     dq_tiles = (config.block_q_dq, config.block_k_dq)
     config = dataclasses.replace(
         config,
-        num_splits=_split_plan(call, device, (block_q, block_k), call.v_dim, stages),
+        num_splits=_split_plan(
+            call, device, (block_q, block_k), call.v_dim, stages, fill="forward_fill_per_sm"
+        ),
         num_splits_dq=_split_plan(call, device, dq_tiles, call.qk_dim, config.num_stages_bwd),
     )
     return resolve_backward(config, call, device)
@@ -277,12 +285,17 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # split. Different per-batch KV lengths make programs unequal: >= `ragged_waves` waves
 # let the scheduler even them out. Each split writes float32 partial outputs that the
 # merge reads back: at most `partial_share` of the K/V bytes it reads (64-row tiles with
-# 128 splits over 16k keys wrote as much as they read, run 31).
+# 128 splits over 16k keys wrote as much as they read, run 31). The forward fills at most
+# `forward_fill_per_sm` programs per SM: on the H100 one program per SM read K/V faster
+# than two at every decoding shape timed (run 101, batch 1, 8 KV heads, 131,072 keys:
+# 16 splits 0.181 ms, 33 splits 0.185; run 83, batch 8: 2 splits 1.360, 4 splits 1.374).
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
-                  min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125),
+                  min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
+                  forward_fill_per_sm=1),
     "generic": dict(sms=108, programs_per_sm=2, smem_per_sm=164 * 1024, min_tiles=4,
-                    min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125),
+                    min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
+                    forward_fill_per_sm=2),
 }  # fmt: skip
 
 
@@ -327,11 +340,19 @@ def _query_rows(call: AttentionCall) -> tuple[bool, int, int]:
     return False, call.q_len, call.q_heads
 
 
-def _split_plan(call: AttentionCall, device: DeviceInfo, tiles, width: int, stages: int):
+def _split_plan(
+    call: AttentionCall,
+    device: DeviceInfo,
+    tiles,
+    width: int,
+    stages: int,
+    fill: str = "programs_per_sm",
+):
     """Splits of the keys for a grid of `(block_q, block_k)` `tiles` (`SPLIT_KV_RULES`).
 
     Its programs, one per query tile and head, pipeline `stages` key tiles and write
     partials `width` columns wide: the forward's (`num_splits`) or dQ's (`num_splits_dq`).
+    `fill`: the rule's key for the programs per SM that the splits fill, at most.
     """
     rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
     block_q, block_k = tiles
@@ -339,7 +360,7 @@ def _split_plan(call: AttentionCall, device: DeviceInfo, tiles, width: int, stag
     _, rows, heads = _query_rows(call)
     programs = call.batch * heads * -(-rows // block_q)
     smem = smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages)
-    per_sm = int(max(1, min(rule["programs_per_sm"], rule["smem_per_sm"] // smem)))
+    per_sm = int(max(1, min(rule[fill], rule["smem_per_sm"] // smem)))
     # One batch element's lengths leave its programs equal.
     ragged = call.batch > 1 and any(t[0] == "kv_lengths" for t in call.mask_terms)
     kv_bytes = call.kv_len * (call.qk_dim + call.v_dim) * itemsize
