@@ -66,6 +66,20 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
             *shapes(lq=16384, lkv=16384, d=d), mask=masks.Causal(), implementation=backend
         )
         assert long.kernel == kernel, d
+
+    # Grouped query heads without a mask, up to 1024 queries at hd 128: Mosaic sums dK/dV
+    # over each group in its kernel (H100 run 103); beyond that, or with one KV head per
+    # query head, cuDNN.
+    def grouped(lq, lkv, kv_heads=2, d=128):
+        q = jax.ShapeDtypeStruct((2, lq, 8, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((2, lkv, kv_heads, d), jnp.bfloat16)
+        return explain_attention(q, kv, kv, implementation=backend)
+
+    choice = grouped(1024, 8192)
+    assert choice.kernel == "mosaic" and "'sm_90:grouped' priority list" in choice.reason
+    assert grouped(2048, 2048).kernel == "cudnn"
+    assert grouped(1024, 8192, kv_heads=8).kernel == "cudnn"
+    assert grouped(1024, 8192, d=64).kernel == "cudnn"
     # float32 goes past both to Triton.
     f32 = explain_attention(*shapes(jnp.float32), mask=masks.Causal(), implementation=backend)
     assert f32.kernel == "triton"

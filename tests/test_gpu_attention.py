@@ -67,6 +67,20 @@ def test_auto_picks_cudnn_on_sm90():
     assert explain_attention(q, k, v, score_mod=lambda s, b, h, i, j: s).kernel == "triton"
 
 
+def test_auto_sends_grouped_cross_attention_to_mosaic(getkey):
+    """GQA without a mask over few queries: Mosaic first on sm_90 (H100 run 103), exact."""
+    dev = jax.devices()[0]
+    if getattr(dev, "compute_capability", None) != "9.0":
+        pytest.skip("not an sm_90 device")
+    q, k, v = make_qkv(getkey(), batch=2, q_len=128, kv_len=2048, q_heads=8, kv_heads=2,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    assert explain_attention(q, k, v).kernel == "mosaic"
+    ct = jax.random.normal(getkey(), q.shape)
+    check_against_oracle(
+        lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None, jit=True
+    )
+
+
 @pytest.mark.float32_matmul
 def test_xla_float32_is_exact_on_gpu(getkey):
     q, k, v = make_qkv(getkey(), q_len=64, kv_len=80)
