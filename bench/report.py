@@ -160,6 +160,12 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         "row's gradients were checked against the float32 oracle too (rows from run 99 on),",
         "E the largest |difference|.",
         "",
+        "JAX's route to cuDNN runs the kernels torch's SDPA runs (ncu, H100 runs 95 and 101),",
+        "but its backward also zero-fills dK and dV, and under GQA the per-query-head dK/dV",
+        "it sums afterwards (`bench/trace_program.py`; H100 run 104, 8 x 128 queries over",
+        "8192 keys: 2 x 164 us with 32 KV heads, 334 + 2 x 42 us with 8): most of its gap to",
+        "torch's cuDNN where few queries train against many keys.",
+        "",
     ]
     if logs is not None:
         lines += ["## GPU tests", "", *gpu_test_counts(logs, name), ""]
