@@ -387,28 +387,35 @@ def test_packed_gqa_through_padded_operands(getkey, q_heads, dim):
 
 
 def test_few_query_plan_splits_and_packs():
+    h100 = DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", "sm_90")
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
     decode = AttentionCall(1, 1, 32768, 32, 8, 128, 128, "bfloat16")
-    cfg = triton_attention.default_config(decode, h200)
+    cfg = triton_attention.default_config(decode, h100)
     assert cfg.pack_gqa and (cfg.block_q, cfg.block_k, cfg.num_stages) == (16, 64, 3)
     assert cfg.num_warps == 4
-    # 8 programs (1 batch x 8 KV heads) of 100 KiB shared memory: two would fit an SM, the
-    # forward fills one per SM, 132 at once; 15 splits fill 91% of one wave.
+    # 8 programs (1 batch x 8 KV heads) of 100 KiB shared memory: two would fit an SM; on
+    # the H100 the forward fills one per SM, 132 at once: 15 splits fill 91% of one wave.
     assert cfg.num_splits == 15
-    # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 19 splits, 4.6 waves.
+    # The H200 fills two per SM (its faster memory wants more loads in flight): 30 splits.
+    assert triton_attention.default_config(decode, h200).num_splits == 30
+    # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 19 splits, 4.6 waves
+    # (the H200: 33, 4 waves of 264).
     lengths = (("kv_lengths",),)
     ragged = dataclasses.replace(decode, batch=4, mask_terms=lengths)
-    assert triton_attention.default_config(ragged, h200).num_splits == 19
+    assert triton_attention.default_config(ragged, h100).num_splits == 19
+    assert triton_attention.default_config(ragged, h200).num_splits == 33
     # One batch element's length leaves its programs equal: planned as without lengths.
     one = dataclasses.replace(decode, mask_terms=lengths)
-    assert triton_attention.default_config(one, h200).num_splits == 15
+    assert triton_attention.default_config(one, h100).num_splits == 15
     # 16 queries x 4 heads: 64-row tiles, whose float32 partials may cost 1/8 of the
     # 4 MiB of K/V a head reads: at most 8 splits over 8192 keys.
     rows = dataclasses.replace(decode, q_len=16, kv_len=8192)
-    assert triton_attention.default_config(rows, h200).num_splits == 8
-    # 64 programs at batch 8: 2 splits, 128 of 132 (the H200 sweep's best, run 16).
+    assert triton_attention.default_config(rows, h100).num_splits == 8
+    # 64 programs at batch 8: 2 splits on the H100 (128 of 132, run 83's best), 4 on the
+    # H200 (256 of 264, run 107's best).
     batched = dataclasses.replace(decode, batch=8, kv_len=131072)
-    assert triton_attention.default_config(batched, h200).num_splits == 2
+    assert triton_attention.default_config(batched, h100).num_splits == 2
+    assert triton_attention.default_config(batched, h200).num_splits == 4
     rule = triton_attention.SPLIT_KV_RULES["sm_90"]
     assert triton_attention.split_count(8, 2048, rule, per_sm=1) == 15
     assert triton_attention.split_count(8, 2048, rule, most=0) == 1  # partials cost too much
@@ -425,6 +432,7 @@ def test_few_query_plan_splits_and_packs():
     # 72); 512 programs (64 sets x 4 heads x 2 tiles) over 4096 keys none (run 71).
     cross = AttentionCall(1, 128, 65536, 8, 8, 128, 128, "bfloat16")
     assert triton_attention.default_config(cross, h200).num_splits_dq == 15
+    assert triton_attention.default_config(cross, h100).num_splits_dq == 15
     sets = AttentionCall(64, 128, 4096, 4, 4, 32, 32, "bfloat16")
     assert triton_attention.default_config(sets, h200).num_splits_dq == 1
     with pytest.raises(UnsupportedError, match="pack_gqa"):

@@ -206,8 +206,9 @@ _TILE_SKIPPING = frozenset({"causal", "local_window", "block_diagonal", "segment
 # Decoding tiles (key step, warps, stages), per registry entry. The H100 read K/V fastest
 # in 64-key steps with 4 warps, one program per SM (`SPLIT_KV_RULES`): batch 1, 8 KV heads
 # over 131,072 keys 0.181 ms vs 0.191 for 128-key steps with 8 warps (run 101); batch 8
-# 1.360 vs 1.373 (run 83). The H200 (run 16, before the kernel read its operands in
-# place) had preferred 128-key steps at batch 8 by 1.8%; generic devices keep those.
+# 1.360 vs 1.373 (run 83). The H200 (run 107) within 1% either way but at batch 8, 8 KV
+# heads, where 64-key steps led (0.969 vs 0.979 ms, two programs per SM). Generic devices
+# keep the 128-key steps the H200 preferred before the kernel read its operands in place.
 DECODE_TILES = {"sm_90": (64, 4, 3), "generic": (128, 8, 3)}
 
 
@@ -289,10 +290,13 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # `forward_fill_per_sm` programs per SM: on the H100 one program per SM read K/V faster
 # than two at every decoding shape timed (run 101, batch 1, 8 KV heads, 131,072 keys:
 # 16 splits 0.181 ms, 33 splits 0.185; run 83, batch 8: 2 splits 1.360, 4 splits 1.374).
+# The H200's faster memory wants more loads in flight: two per SM (run 107, batch 8:
+# 4 splits 0.969 ms, 2 splits 0.996; batch 1: 0.136 either way). `by_kind`: changes for
+# devices whose name holds the key.
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
                   min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
-                  forward_fill_per_sm=1),
+                  forward_fill_per_sm=1, by_kind={"H200": dict(forward_fill_per_sm=2)}),
     "generic": dict(sms=108, programs_per_sm=2, smem_per_sm=164 * 1024, min_tiles=4,
                     min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
                     forward_fill_per_sm=2),
@@ -340,6 +344,15 @@ def _query_rows(call: AttentionCall) -> tuple[bool, int, int]:
     return False, call.q_len, call.q_heads
 
 
+def split_rule(device: DeviceInfo) -> dict:
+    """`device`'s split-KV rule: its registry entry's, with its kind's changes."""
+    rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+    for kind, changes in rule.get("by_kind", {}).items():
+        if kind in device.device_kind:
+            rule = {**rule, **changes}
+    return rule
+
+
 def _split_plan(
     call: AttentionCall,
     device: DeviceInfo,
@@ -354,7 +367,7 @@ def _split_plan(
     partials `width` columns wide: the forward's (`num_splits`) or dQ's (`num_splits_dq`).
     `fill`: the rule's key for the programs per SM that the splits fill, at most.
     """
-    rule = SPLIT_KV_RULES.get(device.registry_key, SPLIT_KV_RULES["generic"])
+    rule = split_rule(device)
     block_q, block_k = tiles
     itemsize = 4 if call.dtype == "float32" else 2
     _, rows, heads = _query_rows(call)
