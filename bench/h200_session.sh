@@ -5,13 +5,14 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run, in order of need: 51, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
 # and half of 37; runs 91-92 (one call) ran 37; runs 93-98 ran 38-43 (41 only its
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
-# run 99 ran 44 but its decode step, cut at its limit before a row; run 100 ran 45, run 101 46, run 102 47, run 103 48, run 104 49, run 105 50.
+# run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
+# 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -560,7 +561,8 @@ case "${1:?stage 1 to 51}" in
     ;;
   51)
     # The split-KV GPU tests under the H100's decoding tiles (64-key steps, one program
-    # per SM), then the decode training rows stage 49 did not reach (batch 1; MHA).
+    # per SM), then decode training at batch 1 (run 106, an H200: no rows, as the decode
+    # suite times training at batch 8, 32 heads over 8 only).
     gpu_tests 120 -k "split_kv_decode or auto_picks or grouped_cross"
     suite 230 decode_train_b1 --suite decode --set q_len=128 ragged=false kv_len=8192 \
       batch=1 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"

@@ -128,7 +128,12 @@ def _fmt(value, digits=3) -> str:
 def gpu_test_counts(folder: pathlib.Path, name: str) -> list[str]:
     """One line per saved GPU test log of `name`'s GPU (`<name>_gpu_tests*.txt`)."""
     lines = []
-    for path in sorted(folder.glob(f"{name}_gpu_tests*.txt")):
+
+    def run_number(path: pathlib.Path) -> int:  # run1 < run9 < run11
+        found = re.search(r"run(\d+)", path.name)
+        return int(found.group(1)) if found else 0
+
+    for path in sorted(folder.glob(f"{name}_gpu_tests*.txt"), key=run_number):
         found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", path.read_text(), re.M)
         lines.append(f"- `{path.name}`: {found[-1] if found else 'no summary (run cut short)'}")
     return lines
