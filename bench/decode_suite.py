@@ -3,8 +3,8 @@
 bf16, 32 query heads over 8 KV heads (and plain MHA), hd 128, Lq 1/16/128, Lkv up to
 131,072, with and without per-batch KV lengths (each batch element keeps a different
 share of the keys). Forward times for every case, forward+backward for Lq=128 at batch 8
-(cross-attention trains; `TRAINING_LAYOUTS`). `kv_tb_s` is the rate at which the forward reads the valid
-keys and values: the decode roofline is the GPU's memory bandwidth.
+(cross-attention trains; `TRAINING_LAYOUTS`). `kv_tb_s` is the rate at which the forward
+reads the valid keys and values: the decode roofline is the GPU's memory bandwidth.
 
 Peers on the same inputs: torch SDPA (flash, cuDNN; no lengths: they take no length
 argument), torch `flex_attention` compiled with a block mask built from the lengths,

@@ -67,9 +67,9 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
         )
         assert long.kernel == kernel, d
 
-    # Grouped query heads without a mask, up to 1024 queries at hd 128: Mosaic sums dK/dV
-    # over each group in its kernel (H100 run 103); beyond that, or with one KV head per
-    # query head, cuDNN.
+    # Grouped query heads without a mask, up to 1024 queries over >= 8192 keys at hd 128:
+    # Mosaic sums dK/dV over each group in its kernel (H100 run 103); beyond that, or
+    # with one KV head per query head, cuDNN.
     def grouped(lq, lkv, kv_heads=2, d=128):
         q = jax.ShapeDtypeStruct((2, lq, 8, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, lkv, kv_heads, d), jnp.bfloat16)
@@ -77,7 +77,8 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
 
     choice = grouped(1024, 8192)
     assert choice.kernel == "mosaic" and "'sm_90:grouped' priority list" in choice.reason
-    assert grouped(2048, 2048).kernel == "cudnn"
+    assert grouped(2048, 8192).kernel == "cudnn"
+    assert grouped(1024, 4096).kernel == "cudnn"  # shorter key sets: not timed yet
     assert grouped(1024, 8192, kv_heads=8).kernel == "cudnn"
     assert grouped(1024, 8192, d=64).kernel == "cudnn"
     # float32 goes past both to Triton.

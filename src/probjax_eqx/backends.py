@@ -18,7 +18,7 @@ Registry rules (in priority order, first supported wins):
 | attention, KV/Q lengths | triton, mosaic, xla | triton, xla |
 | attention, score mods | mosaic, triton, xla  | triton, xla                 |
 | attention, causal below T 16384, or hd <= 64 | mosaic, cudnn, triton, xla | triton, xla |
-| attention, GQA without a mask, Lq <= 1024, hd 128 | mosaic, cudnn, triton, xla | triton, xla |
+| attention, GQA hd 128, no mask, Lq<=1024, Lkv>=8192 | mosaic, cudnn, triton, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
 | ssd, linear_attention | triton, chunked      | triton, chunked             |
@@ -71,8 +71,8 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # (attention.CAUSAL_MOSAIC_MAX_LEN): Mosaic trains faster than cuDNN there (H100
         # run 82: T 4096 hd 128 1.138 vs 1.202 ms; run 83: T 16384 hd 64 8.66 vs 8.85).
         "sm_90:causal": ("mosaic", "cudnn", "triton", "xla"),
-        # Grouped query heads without a mask, up to 1024 queries (attention.
-        # GROUPED_MOSAIC_MAX_Q_LEN): Mosaic sums dK/dV over each group in its kernel, cuDNN
+        # Grouped query heads without a mask, up to 1024 queries over >= 8192 keys
+        # (attention.GROUPED_MOSAIC_*): Mosaic sums dK/dV over each group in its kernel, cuDNN
         # in a pass of its own (H100 run 103: 128 queries over 8192 keys, 32 heads over 8,
         # fwd+bwd 1.202 vs 2.256 ms).
         "sm_90:grouped": ("mosaic", "cudnn", "triton", "xla"),
