@@ -72,7 +72,7 @@ def test_auto_sends_grouped_cross_attention_to_mosaic(getkey):
     dev = jax.devices()[0]
     if getattr(dev, "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
-    q, k, v = make_qkv(getkey(), batch=2, q_len=128, kv_len=2048, q_heads=8, kv_heads=2,
+    q, k, v = make_qkv(getkey(), batch=2, q_len=128, kv_len=8192, q_heads=8, kv_heads=2,
                        qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     assert explain_attention(q, k, v).kernel == "mosaic"
     ct = jax.random.normal(getkey(), q.shape)
