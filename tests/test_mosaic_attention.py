@@ -18,6 +18,7 @@ from probjax_eqx import UnsupportedError, biases, dot_product_attention, flex_at
 from probjax_eqx.kernels.mosaic import attention as mosaic_attention
 from probjax_eqx.kernels.mosaic._compat import JAX_011
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_bytes
+from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
 CFG = MosaicAttentionConfig(block_k=64, interpret=True)
 # Every mask runs on the Triton kernels in CI; the Mosaic interpreter takes about a minute
@@ -229,6 +230,21 @@ def test_rows_without_keys_are_zero(getkey):
     ct = jax.random.normal(getkey(), (2, 7, 2, 16))
     out, (dq, dk, dv) = check(q, k, v, ct, mask)
     assert not jnp.any(out[0]) and not jnp.any(dq[0]) and not jnp.any(dk[0]) and not jnp.any(dv[0])
+
+
+def test_split_kv_forward_joined_to_the_mosaic_backward(getkey):
+    """The split-KV Triton forward's output and log-sum-exp, then the Mosaic backward."""
+    q, k, v = make_qkv(
+        getkey(), batch=1, q_len=20, kv_len=300, q_heads=4, kv_heads=2, dtype=jnp.bfloat16
+    )
+    ct = jax.random.normal(getkey(), (1, 20, 4, 16))
+    triton = TritonAttentionConfig(block_q=16, block_k=32, num_splits=3, interpret=True)
+    config = dataclasses.replace(CFG, split_kv_forward=triton)
+    check(q, k, v, ct, config=config, primal=True)
+    attend = functools.partial(flex_attention, implementation="mosaic", config=config)
+    assert "probjax_attention_triton_fwd_split" in str(jax.make_jaxpr(attend)(q, k, v))
+    with pytest.raises(UnsupportedError, match="no masks or score mods"):
+        check(q, k, v, ct, masks.Causal(), config=config)
 
 
 def test_refusals_name_the_reason(getkey):

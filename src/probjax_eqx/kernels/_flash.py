@@ -209,6 +209,31 @@ def attend(kernels: FlashKernels, q, k, v, ranges, operands):
     return run(q, k, v, ranges, operands)
 
 
+def attend_halves(forward_blocks: Callable, backward_blocks: Callable, q, k, v):
+    """Attention whose forward is one family's kernels and whose backward is another's.
+
+    `forward_blocks(q, k, v)` and `backward_blocks(q, k, v)` build the `FlashKernels` of
+    an unmasked call: the output and its log-sum-exp come from the first's `forward_lse`,
+    the gradients from the second's `backward_given`. Both are built inside the custom
+    VJP's halves, from the operands alone, so that no tracer is closed over.
+    """
+
+    @jax.custom_vjp
+    def run(q, k, v):
+        return forward_blocks(q, k, v).forward_lse(q, k, v)[0]
+
+    def run_fwd(q, k, v):
+        o, lse = forward_blocks(q, k, v).forward_lse(q, k, v)
+        return o, (q, k, v, o, lse)
+
+    def run_bwd(residuals, do):
+        q, k, v, o, lse = residuals
+        return backward_blocks(q, k, v).backward_given(q, k, v, o, lse, do)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(q, k, v)
+
+
 def check_pallas(name: str, config_type: type, config, device: DeviceInfo, needs: str):
     """The config's type, and where the kernel runs: the GPU, or the CPU in interpret mode."""
     if config is not None and not isinstance(config, config_type):

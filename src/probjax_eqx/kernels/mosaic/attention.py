@@ -70,6 +70,7 @@ from probjax_eqx.kernels.mosaic._compat import (
     InterpretGPUParams,  # pyright: ignore[reportAttributeAccessIssue]
     reset_gpu_interpret_mode_state,
 )
+from probjax_eqx.kernels.triton.attention import TritonAttention, TritonAttentionConfig
 from probjax_eqx.masks import MaskContext
 
 LOG2E = math.log2(math.e)
@@ -169,6 +170,14 @@ class MosaicAttentionConfig:
             `plgpu.CompilerParams`: `ex2.approx.ftz`, `tanh.approx`), as tokamax compiles
             its kernels. `default_config` turns it on for the GPU without score mods
             (H100 run 49: 2.39 -> 2.30 ms fwd+bwd at B4 H8 T4096 hd128).
+        split_kv_forward: the forward from our split-KV Triton kernel with this config
+            (`implementation="triton"`), the backward from these kernels, joined by the
+            forward's log-sum-exp (`_flash.attend_halves`). For calls whose forward grid
+            leaves SMs idle, few query tiles over many keys, where the Triton forward
+            splits the keys over programs and this one does not: H100 run 105, 1 x 128
+            queries over 32,768 keys, 32 heads over 8, forward 0.167 ms vs 0.375 (fwd+bwd
+            with this backward 0.884). Unmasked calls without score mods only. None
+            (default): not yet timed joined.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -189,6 +198,7 @@ class MosaicAttentionConfig:
     fused_dq: bool = False
     launch_group: int | None = None
     approx_math: bool = False
+    split_kv_forward: TritonAttentionConfig | None = None
     interpret: bool = False
 
     def __post_init__(self):
@@ -1519,7 +1529,29 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
 
 def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
     """Mosaic GPU flash attention of `[batch, seq, heads, dim]` operands (module docstring)."""
+    if config.split_kv_forward is not None:  # unmasked, no score mod (`_split_kv_rule`)
+        triton, own = config.split_kv_forward, dataclasses.replace(config, split_kv_forward=None)
+        return _flash.attend_halves(
+            lambda q, k, v: TritonAttention().blocks(
+                q, k, v, mask=None, scale=scale, config=triton
+            ),
+            lambda q, k, v: kernels(q, k, v, mask=None, score_mod=None, scale=scale, config=own),
+            q,
+            k,
+            v,
+        )
     return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
+
+
+def _split_kv_rule(call: AttentionCall, device: DeviceInfo, config: MosaicAttentionConfig):
+    """Why `config.split_kv_forward` cannot run `call`, or None."""
+    if call.mask_terms or call.score_mod is not None:
+        return (
+            "split_kv_forward joins two kernel families by the log-sum-exp of an unmasked "
+            "call: no masks or score mods"
+        )
+    why = TritonAttention().check(call, device, config.split_kv_forward)
+    return None if why is None else f"split_kv_forward's Triton forward: {why}"
 
 
 def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
@@ -1627,6 +1659,8 @@ class MosaicAttention:
             why = f"wgmma and TMA need sm_90, device has {device.compute_capability}"
         if why is None and config is not None:
             why = smem_refusal(_smem_need(call, config))
+        if why is None and config is not None and config.split_kv_forward is not None:
+            why = _split_kv_rule(call, device, config)
         return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
