@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 12's parts that runs 44-47 did not reach.
+# Not yet run: 52, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -57,7 +57,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 51}" in
+case "${1:?stage 1 to 52}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -566,6 +566,18 @@ case "${1:?stage 1 to 51}" in
     gpu_tests 120 -k "split_kv_decode or auto_picks or grouped_cross"
     suite 230 decode_train_b1 --suite decode --set q_len=128 ragged=false kv_len=8192 \
       batch=1 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  52)
+    # The split-KV Triton forward joined to the Mosaic backward (split_kv_forward) where
+    # few query tiles leave the Mosaic forward's grid short (run 105, 1 x 128 queries over
+    # 32768 keys, 32 heads over 8: Triton forward 0.167 ms, Mosaic 0.375, Mosaic fwd+bwd
+    # 0.884), beside both alone; then the decode suite's training rows, MHA now too.
+    step 300 probe_split_kv python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_split_kv.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax mosaic+split_kv" "probjax triton" \
+      --shape 1,128,32768,32,8 1,256,16384,32,8 2,128,32768,32,8 8,128,8192,32,8
+    suite 250 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
+      --only "probjax auto" "probjax triton" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

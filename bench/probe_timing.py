@@ -20,6 +20,7 @@ process:
 """
 
 import argparse
+import dataclasses
 import functools
 import pathlib
 
@@ -37,8 +38,20 @@ from bench.harness import (
     versions,
     warm_up_device,
 )
+from probjax_eqx import dot_product_attention, explain_attention
 
 JAX_ROUTES = ["probjax auto", "probjax mosaic", "jax.nn cudnn"]
+
+
+def _split_kv_forward(q, k, v, causal):
+    """Our Mosaic backward after the split-KV Triton forward, each at its default config
+    (`MosaicAttentionConfig.split_kv_forward`; unmasked calls only)."""
+    if causal:
+        raise NotImplementedError("split_kv_forward takes unmasked calls")
+    mosaic = explain_attention(q, k, v, implementation="mosaic").config
+    triton = explain_attention(q, k, v, implementation="triton").config
+    config = dataclasses.replace(mosaic, split_kv_forward=triton)
+    return dot_product_attention(q, k, v, implementation="mosaic", config=config)
 
 
 def _repeat_kv(f):
@@ -155,7 +168,8 @@ def main():
         "--routes",
         nargs="*",
         help=f"JAX routes (default {JAX_ROUTES}); "
-        "NAME+repeat_kv runs NAME on K/V repeated to the query heads",
+        "NAME+repeat_kv runs NAME on K/V repeated to the query heads; "
+        "probjax mosaic+split_kv the split-KV Triton forward with the Mosaic backward",
     )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
@@ -175,6 +189,8 @@ def main():
         base_name, _, variant = name.partition("+")
         if variant == "repeat_kv":
             jax_impls[name] = _repeat_kv(jax_impls[base_name])
+        elif variant == "split_kv":
+            jax_impls[name] = _split_kv_forward
     torch_routes = [n for n in torch_routes if n in torch_impls]
     shapes = [tuple(map(int, s.split(","))) for s in args.shape]
     shapes = shapes or [(4, t, t, 8, 8) for t in args.seq]
