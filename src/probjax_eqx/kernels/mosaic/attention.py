@@ -175,8 +175,8 @@ class MosaicAttentionConfig:
             forward's log-sum-exp (`_flash.attend_halves`). For calls whose forward grid
             leaves SMs idle, few query tiles over many keys, where the Triton forward
             splits the keys over programs and this one does not: H100 run 105, 1 x 128
-            queries over 32,768 keys, 32 heads over 8, forward 0.167 ms vs 0.375 (fwd+bwd
-            with this backward 0.884). Unmasked calls without score mods only. None
+            queries over 32,768 keys, 32 heads over 8, forward 0.167 ms vs 0.375 (these
+            kernels' fwd+bwd 0.884). Unmasked calls without score mods only. None
             (default): not yet timed joined.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
