@@ -20,9 +20,16 @@ import functools
 import json
 
 import jax
-import jax.numpy as jnp
 
-from bench.harness import device_work, fwd_bwd_program, to_torch, tokamax_peer, torch_attention
+from bench.harness import (
+    attention_operands,
+    device_work,
+    fwd_bwd_program,
+    parse_shape,
+    to_torch,
+    tokamax_peer,
+    torch_attention,
+)
 from probjax_eqx import dot_product_attention, explain_attention, masks
 
 
@@ -78,14 +85,9 @@ def main():
     parser.add_argument("--shape", metavar="B,LQ,LKV,HQ,HKV", help="not B4, --seq, H8")
     parser.add_argument("--launch", type=int, default=0, help="runs of each program")
     args = parser.parse_args()
-    batch, q_len, kv_len, heads, kv_heads = (
-        map(int, args.shape.split(",")) if args.shape else (4, args.seq, args.seq, 8, 8)
-    )
-    keys = jax.random.split(jax.random.key(0), 4)
-    shape = (batch, q_len, heads, args.head_dim)
-    kv_shape = (batch, kv_len, kv_heads, args.head_dim)
-    q, ct = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[::3])
-    k, v = (jax.random.normal(key, kv_shape, jnp.bfloat16) for key in keys[1:3])
+    sizes = parse_shape(args.shape) if args.shape else (4, args.seq, args.seq, 8, 8)
+    q, k, v, ct = attention_operands(sizes, args.head_dim)
+    shape, kv_shape = q.shape, k.shape
     for impl in args.impls:
         if impl == "torch-cudnn":
             _launch_torch(q, k, v, ct, args.causal, args.launch)

@@ -169,6 +169,25 @@ def check_grads(row: dict, grads, expected, *, atol: float, rtol: float = 0.0) -
         row.update(status="error", message=f"gradients differ from the reference: {err:.3g}")
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """`"B,LQ,LKV,HQ,HKV"` (a probe's `--shape`) -> `(batch, q_len, kv_len, heads, kv_heads)`."""
+    batch, q_len, kv_len, heads, kv_heads = map(int, text.split(","))
+    return batch, q_len, kv_len, heads, kv_heads
+
+
+def attention_operands(shape: tuple[int, int, int, int, int], head_dim: int, seed: int = 0):
+    """Random bf16 `(q, k, v, ct)` of a `parse_shape` shape, `[batch, seq, heads, dim]`."""
+    import jax.numpy as jnp
+
+    batch, q_len, kv_len, heads, kv_heads = shape
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, ct = (jax.random.normal(kk, (batch, q_len, heads, head_dim), jnp.bfloat16)
+             for kk in keys[::3])  # fmt: skip
+    k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+            for kk in keys[1:3])  # fmt: skip
+    return q, k, v, ct
+
+
 def stack(f: Callable, layers: int) -> Callable:
     """`layers` calls of `f(q, k, v, *rest)` in a row, each one's output the next one's queries:
     a stack of attention layers, timed per call as a model runs them in one program.

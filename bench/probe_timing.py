@@ -30,8 +30,10 @@ import jax.numpy as jnp
 from bench.attention_suite import _jax_impls, _torch_impls
 from bench.harness import (
     RowWriter,
+    attention_operands,
     device_info,
     fwd_bwd_program,
+    parse_shape,
     stack,
     time_fn,
     to_torch,
@@ -192,14 +194,10 @@ def main():
         elif variant == "split_kv":
             jax_impls[name] = _split_kv_forward
     torch_routes = [n for n in torch_routes if n in torch_impls]
-    shapes = [tuple(map(int, s.split(","))) for s in args.shape]
-    shapes = shapes or [(4, t, t, 8, 8) for t in args.seq]
+    shapes = [parse_shape(s) for s in args.shape] or [(4, t, t, 8, 8) for t in args.seq]
     for batch, q_len, kv_len, heads, kv_heads in shapes:
-        keys = jax.random.split(jax.random.key(q_len), 4)
-        q, ct = (jax.random.normal(kk, (batch, q_len, heads, args.head_dim), jnp.bfloat16)
-                 for kk in keys[::3])  # fmt: skip
-        k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, args.head_dim), jnp.bfloat16)
-                for kk in keys[1:3])  # fmt: skip
+        sizes = (batch, q_len, kv_len, heads, kv_heads)
+        q, k, v, ct = attention_operands(sizes, args.head_dim, seed=q_len)
         for causal in map(bool, args.causal):
             case = dict(batch=batch, heads=heads, seq=q_len, head_dim=args.head_dim,
                         causal=causal)  # fmt: skip

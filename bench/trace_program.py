@@ -14,10 +14,9 @@ import pathlib
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 from bench.attention_suite import _jax_impls
-from bench.harness import fwd_bwd_program
+from bench.harness import attention_operands, fwd_bwd_program, parse_shape
 
 
 def device_events(trace_dir: pathlib.Path) -> list[tuple[str, float, float]]:
@@ -56,12 +55,7 @@ def main():
 
 
 def _trace(impl, route: str, shape: str, args):
-    batch, q_len, kv_len, heads, kv_heads = map(int, shape.split(","))
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, ct = (jax.random.normal(kk, (batch, q_len, heads, args.head_dim), jnp.bfloat16)
-             for kk in keys[::3])  # fmt: skip
-    k, v = (jax.random.normal(kk, (batch, kv_len, kv_heads, args.head_dim), jnp.bfloat16)
-            for kk in keys[1:3])  # fmt: skip
+    q, k, v, ct = attention_operands(parse_shape(shape), args.head_dim)
     f = functools.partial(impl, causal=False)
     program, operands = (
         (jax.jit(f), (q, k, v)) if args.part == "fwd" else (fwd_bwd_program(f), (q, k, v, ct))
