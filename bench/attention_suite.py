@@ -29,6 +29,7 @@ from bench.harness import (
     to_torch,
     tokamax_peer,
     torch_attention,
+    torch_operands,
 )
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
@@ -154,9 +155,7 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
     """`_time_jax`'s results for a torch implementation, in JAX's layout."""
     import torch
 
-    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct.astype(q.dtype)))
-    for t in (qt, kt, vt):
-        t.requires_grad_(True)
+    qt, kt, vt, ctt = torch_operands(q, k, v, ct)
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
     one = functools.partial(_call, f, causal=causal)

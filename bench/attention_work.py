@@ -26,9 +26,9 @@ from bench.harness import (
     device_work,
     fwd_bwd_program,
     parse_shape,
-    to_torch,
     tokamax_peer,
     torch_attention,
+    torch_operands,
 )
 from probjax_eqx import dot_product_attention, explain_attention, masks
 
@@ -62,9 +62,7 @@ def _launch_torch(q, k, v, ct, causal, launches):
     """Torch SDPA pinned to cuDNN on the same operands, `launches` times fwd and fwd+bwd:
     which cuDNN kernels torch's graphs select, for ncu to time beside JAX's."""
     torch, SDPBackend, sdpa_kernel, *_ = torch_attention()
-    qt, kt, vt, ctt = (to_torch(x) for x in (q, k, v, ct))
-    for t in (qt, kt, vt):
-        t.requires_grad_(True)
+    qt, kt, vt, ctt = torch_operands(q, k, v, ct)
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention,
                              is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -362,6 +362,15 @@ def to_torch(x, *, copy: bool = True):
     return t.clone() if copy else t
 
 
+def torch_operands(q, k, v, ct, *, copy: bool = True):
+    """`to_torch` of each of `(q, k, v, ct)` (`ct` in `q`'s dtype), q, k and v requiring
+    gradients: one attention call's torch operands."""
+    qt, kt, vt, ctt = (to_torch(x, copy=copy) for x in (q, k, v, ct.astype(q.dtype)))
+    for t in (qt, kt, vt):
+        t.requires_grad_(True)
+    return qt, kt, vt, ctt
+
+
 def from_torch(t):
     """A torch `[B, H, T, D]` tensor as a float32 NumPy `[B, T, H, D]` array."""
     return t.transpose(1, 2).float().cpu().numpy()

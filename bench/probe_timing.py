@@ -36,7 +36,7 @@ from bench.harness import (
     parse_shape,
     stack,
     time_fn,
-    to_torch,
+    torch_operands,
     versions,
     warm_up_device,
 )
@@ -71,13 +71,6 @@ def _with_mask(q, k, v, *, impl, causal):
     return impl(q, k, v, causal)
 
 
-def _torch_operands(q, k, v, ct, contiguous=True):
-    qt, kt, vt, ctt = (to_torch(x, copy=contiguous) for x in (q, k, v, ct))
-    for t in (qt, kt, vt):
-        t.requires_grad_(True)
-    return qt, kt, vt, ctt
-
-
 def _torch_time(fn):
     import torch
 
@@ -106,7 +99,7 @@ def _harness_jax(f, q, k, v, ct, args):
 def _harness_torch(f, q, k, v, ct, args):
     out = {}
     for layout in ("contiguous", "view"):
-        operands = _torch_operands(q, k, v, ct, contiguous=layout == "contiguous")
+        operands = torch_operands(q, k, v, ct, copy=layout == "contiguous")
         out[layout] = _torch_time(functools.partial(_torch_fwd_bwd, f, *operands))
     return out
 
@@ -131,7 +124,7 @@ def _dispatch_jax(f, q, k, v, ct, args):
 def _dispatch_torch(f, q, k, v, ct, args):
     import torch
 
-    qt, kt, vt, ctt = _torch_operands(q, k, v, ct)
+    qt, kt, vt, ctt = torch_operands(q, k, v, ct)
     out = {}
     for how, calls in (("", 1), (" chain", args.calls))[: 1 + (args.calls > 1)]:
         chained = stack(f, calls)
@@ -195,8 +188,8 @@ def main():
             jax_impls[name] = _split_kv_forward
     torch_routes = [n for n in torch_routes if n in torch_impls]
     shapes = [parse_shape(s) for s in args.shape] or [(4, t, t, 8, 8) for t in args.seq]
-    for batch, q_len, kv_len, heads, kv_heads in shapes:
-        sizes = (batch, q_len, kv_len, heads, kv_heads)
+    for sizes in shapes:
+        batch, q_len, kv_len, heads, kv_heads = sizes
         q, k, v, ct = attention_operands(sizes, args.head_dim, seed=q_len)
         for causal in map(bool, args.causal):
             case = dict(batch=batch, heads=heads, seq=q_len, head_dim=args.head_dim,
