@@ -305,6 +305,28 @@ def test_shared_memory_is_counted_as_mosaic_counts_it():
     assert freed == {"forward": 0, "dkv": 2 * 2 * 64 * 128 * 2 + 32, "dq": 2 * 64 * 128 * 2 + 16}
 
 
+def test_default_joins_the_split_kv_forward_where_the_grid_is_short():
+    """One wave of programs or fewer, unmasked: the Triton split-KV forward (run 108)."""
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo
+    from probjax_eqx.kernels.mosaic.attention import default_config
+
+    h100, cpu = DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", "sm_90"), DeviceInfo("cpu", "cpu")
+
+    def joined(batch, q_len, kv_len, mask=None, device=h100):
+        q, kv = (batch, q_len, 32, 128), (batch, kv_len, 8, 128)
+        call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
+        return default_config(call, device).split_kv_forward
+
+    # 32 and 64 programs: joined, the Triton forward splitting the keys.
+    assert joined(1, 128, 32768).num_splits > 1 and joined(2, 128, 32768).num_splits > 1
+    assert joined(1, 256, 16384) is not None
+    assert joined(8, 128, 8192) is None  # 256 programs, about two waves: slower joined
+    assert joined(1, 128, 32768, masks.Causal()) is None  # the join takes no masks
+    assert joined(1, 128, 32768, device=cpu) is None  # interpreted tests set it themselves
+    assert joined(1, 128, 256) is None  # too few keys for the Triton forward to split
+
+
 def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     from probjax_eqx.attention_call import AttentionCall
     from probjax_eqx.backends import DeviceInfo

@@ -123,7 +123,9 @@ register_regime("attention", "causal", _mosaic_causal)
 # 1.778, over 32768 keys 4.68 / 8.77 / 6.75; 512 queries 4.14 / 4.76 / 4.25; 1024 queries
 # 7.97 / 8.28 / 7.68. Batch 2, 4096 over 4096: cuDNN wins, 4.06 / 3.92 / 3.68. With one
 # KV head per query head cuDNN stays first (128 over 8192: 1.949 / 1.974 / 1.562).
-# Shorter key sets are not timed yet: they stay on cuDNN.
+# Shorter key sets are not timed yet: they stay on cuDNN. Where Mosaic's forward grid is
+# short (batch 1-2), its default config takes the split-KV Triton forward (run 108: 1 x
+# 128 over 32768 keys 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
 GROUPED_MOSAIC_MAX_Q_LEN = 1024
 GROUPED_MOSAIC_MIN_KV_LEN = 8192
 GROUPED_MOSAIC_HEAD_DIM = 128  # as timed

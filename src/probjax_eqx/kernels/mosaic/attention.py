@@ -70,7 +70,11 @@ from probjax_eqx.kernels.mosaic._compat import (
     InterpretGPUParams,  # pyright: ignore[reportAttributeAccessIssue]
     reset_gpu_interpret_mode_state,
 )
-from probjax_eqx.kernels.triton.attention import TritonAttention, TritonAttentionConfig
+from probjax_eqx.kernels.triton.attention import (
+    TritonAttention,
+    TritonAttentionConfig,
+    split_rule,
+)
 from probjax_eqx.masks import MaskContext
 
 LOG2E = math.log2(math.e)
@@ -174,10 +178,9 @@ class MosaicAttentionConfig:
             (`implementation="triton"`), the backward from these kernels, joined by the
             forward's log-sum-exp (`_flash.attend_halves`). For calls whose forward grid
             leaves SMs idle, few query tiles over many keys, where the Triton forward
-            splits the keys over programs and this one does not: H100 run 105, 1 x 128
-            queries over 32,768 keys, 32 heads over 8, forward 0.167 ms vs 0.375 (these
-            kernels' fwd+bwd 0.884). Unmasked calls without score mods only. None
-            (default): not yet timed joined.
+            splits the keys over programs and this one does not. Unmasked calls without
+            score mods only. `default_config` sets it on the GPU where this forward's
+            grid fills at most one wave and the Triton plan splits (`_split_kv_forward`).
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -442,6 +445,29 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
     return call.q_len * -(-call.kv_len // (2 * _WG_ROWS)) * call.qk_dim * 4
 
 
+# The split-KV Triton forward joined to these backward kernels pays while this forward's
+# grid, one program per 128 query rows and head, fills at most `SPLIT_KV_FORWARD_MAX_WAVES`
+# waves of the device's SMs. H100 run 108, hd 128, 32 query heads over 8, unmasked, fwd+bwd
+# ms (these kernels / joined / torch SDPA cuDNN): 1 x 128 queries over 32,768 keys (32
+# programs) 0.888 / 0.671 / 1.157; 1 x 256 over 16,384 (64) 0.653 / 0.629 / 0.858; 2 x 128
+# over 32,768 (64) 1.331 / 1.292 / 1.901; 8 x 128 over 8192 (256, ~2 waves) 1.202 / 1.335.
+SPLIT_KV_FORWARD_MAX_WAVES = 1
+
+
+def _split_kv_forward(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig | None:
+    """The Triton config whose split-KV forward `default_config` joins, or None."""
+    if not device.is_gpu or call.mask_terms or call.score_mod is not None:
+        return None
+    programs = call.batch * call.q_heads * -(-call.q_len // (2 * _WG_ROWS))
+    if programs > SPLIT_KV_FORWARD_MAX_WAVES * split_rule(device)["sms"]:
+        return None
+    triton = TritonAttention()
+    config = triton.default_config(call, device)
+    if config.num_splits == 1 or triton.check(call, device, config) is not None:
+        return None
+    return config
+
+
 def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
     """Tiles for `call`: each kernel steps down to 64 where shared memory is short.
 
@@ -479,6 +505,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         backward_memory_registers=_backward_memory_registers(call) if gpu else MEMORY_REGISTERS,
         approx_math=gpu and call.score_mod is None,
         launch_group=_launch_group(call) if gpu else None,
+        split_kv_forward=_split_kv_forward(call, device),
         interpret=not gpu,
     )
     for kernel, field in (("forward", "block_k"), ("dkv", "block_k_dkv"), ("dq", "block_q_dq")):
