@@ -5,14 +5,15 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 52, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 53, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
 # and half of 37; runs 91-92 (one call) ran 37; runs 93-98 ran 38-43 (41 only its
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
-# 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill.
+# 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
+# run 108 ran 52.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -57,7 +58,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 52}" in
+case "${1:?stage 1 to 53}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -578,6 +579,22 @@ case "${1:?stage 1 to 52}" in
       --shape 1,128,32768,32,8 1,256,16384,32,8 2,128,32768,32,8 8,128,8192,32,8
     suite 250 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
       --only "probjax auto" "probjax triton" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  53)
+    # Mosaic's default now joins the split-KV forward where its grid is short (run 108):
+    # the GPU tests of that and of the join; then few query rows in training, where the
+    # Mosaic backward's fused dQ writes a float32 [q_len, hd] partial per 128 keys (at 128
+    # queries as many bytes as K and V) and the few_queries regime sends MHA to Triton
+    # (run 108, 8 x 128 over 8192 keys: Triton 2.116 ms, torch 1.579): our kernels, with
+    # dQ in its own kernel, and the join, beside torch; then batch-1 training rows.
+    gpu_tests 120 -k "cross_attention_to_mosaic or split_kv_forward or split_kv_decode"
+    step 330 probe_few_rows_dq python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_few_rows_dq.json" --causal 0 --calls 1 \
+      --routes "probjax auto" "probjax triton" "probjax mosaic" \
+        "probjax mosaic+set:fused_dq=False" "probjax mosaic+split_kv" \
+      --shape 8,128,8192,32,32 1,128,32768,32,32 8,128,8192,32,8
+    suite 120 decode_train_b1 --suite decode --set q_len=128 ragged=false kv_len=8192 \
+      batch=1 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

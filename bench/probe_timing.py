@@ -20,6 +20,7 @@ process:
 """
 
 import argparse
+import ast
 import dataclasses
 import functools
 import pathlib
@@ -40,7 +41,7 @@ from bench.harness import (
     versions,
     warm_up_device,
 )
-from probjax_eqx import dot_product_attention, explain_attention
+from probjax_eqx import dot_product_attention, explain_attention, masks
 
 JAX_ROUTES = ["probjax auto", "probjax mosaic", "jax.nn cudnn"]
 
@@ -54,6 +55,24 @@ def _split_kv_forward(q, k, v, causal):
     triton = explain_attention(q, k, v, implementation="triton").config
     config = dataclasses.replace(mosaic, split_kv_forward=triton)
     return dot_product_attention(q, k, v, implementation="mosaic", config=config)
+
+
+def _with_fields(implementation: str, fields: str):
+    """Our `implementation` at its default config with `fields` ("name=value,...") set."""
+    changes = {}
+    for item in fields.split(","):
+        name, _, value = item.partition("=")
+        changes[name] = ast.literal_eval(value)
+
+    def attend(q, k, v, causal):
+        mask = masks.Causal() if causal else None
+        config = explain_attention(q, k, v, mask=mask, implementation=implementation).config
+        config = dataclasses.replace(config, **changes)
+        return dot_product_attention(
+            q, k, v, mask=mask, implementation=implementation, config=config
+        )
+
+    return attend
 
 
 def _repeat_kv(f):
@@ -164,7 +183,8 @@ def main():
         nargs="*",
         help=f"JAX routes (default {JAX_ROUTES}); "
         "NAME+repeat_kv runs NAME on K/V repeated to the query heads; "
-        "probjax mosaic+split_kv the split-KV Triton forward with the Mosaic backward",
+        "probjax mosaic+split_kv the split-KV Triton forward with the Mosaic backward; "
+        "probjax NAME+set:FIELD=VALUE,... NAME at its default config with those fields",
     )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
@@ -186,6 +206,8 @@ def main():
             jax_impls[name] = _repeat_kv(jax_impls[base_name])
         elif variant == "split_kv":
             jax_impls[name] = _split_kv_forward
+        elif variant.startswith("set:"):
+            jax_impls[name] = _with_fields(base_name.removeprefix("probjax "), variant[4:])
     torch_routes = [n for n in torch_routes if n in torch_impls]
     shapes = [parse_shape(s) for s in args.shape] or [(4, t, t, 8, 8) for t in args.seq]
     for sizes in shapes:

@@ -68,19 +68,27 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
         assert long.kernel == kernel, d
 
     # Grouped query heads without a mask, up to 1024 queries over >= 8192 keys at hd 128:
-    # Mosaic sums dK/dV over each group in its kernel (H100 run 103); beyond that, or
-    # with one KV head per query head, cuDNN.
-    def grouped(lq, lkv, kv_heads=2, d=128):
+    # Mosaic sums dK/dV over each group in its kernel (H100 run 103); beyond that cuDNN.
+    # One KV head per query head: Mosaic at 65-128 queries (run 109), cuDNN above, the
+    # split-KV Triton kernel below.
+    def cross(lq, lkv, kv_heads=2, d=128, score_mod=None):
         q = jax.ShapeDtypeStruct((2, lq, 8, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, lkv, kv_heads, d), jnp.bfloat16)
-        return explain_attention(q, kv, kv, implementation=backend)
+        return explain_attention(q, kv, kv, score_mod=score_mod, implementation=backend)
 
-    choice = grouped(1024, 8192)
-    assert choice.kernel == "mosaic" and "'sm_90:grouped' priority list" in choice.reason
-    assert grouped(2048, 8192).kernel == "cudnn"
-    assert grouped(1024, 4096).kernel == "cudnn"  # shorter key sets: not timed yet
-    assert grouped(1024, 8192, kv_heads=8).kernel == "cudnn"
-    assert grouped(1024, 8192, d=64).kernel == "cudnn"
+    choice = cross(1024, 8192)
+    assert choice.kernel == "mosaic" and "'sm_90:cross' priority list" in choice.reason
+    assert cross(2048, 8192).kernel == "cudnn"
+    assert cross(1024, 4096).kernel == "cudnn"  # shorter key sets: not timed yet
+    assert cross(1024, 8192, d=64).kernel == "cudnn"
+    mha = {lq: cross(lq, 8192, kv_heads=8) for lq in (64, 65, 128, 129, 1024)}
+    kernels = {64: "triton", 65: "mosaic", 128: "mosaic", 129: "cudnn", 1024: "cudnn"}
+    assert {lq: c.kernel for lq, c in mha.items()} == kernels
+    assert "'sm_90:few_queries' priority list" in mha[64].reason
+    assert "'sm_90:cross' priority list" in mha[128].reason
+    assert cross(128, 4096, kv_heads=8).kernel == "triton"  # few_queries: not timed yet
+    soft_cap = cross(128, 8192, kv_heads=8, score_mod=biases.SoftCap(30.0))
+    assert soft_cap.kernel == "triton" and "few_queries" in soft_cap.reason
     # float32 goes past both to Triton.
     f32 = explain_attention(*shapes(jnp.float32), mask=masks.Causal(), implementation=backend)
     assert f32.kernel == "triton"

@@ -67,15 +67,18 @@ def test_auto_picks_cudnn_on_sm90():
     assert explain_attention(q, k, v, score_mod=lambda s, b, h, i, j: s).kernel == "triton"
 
 
-@pytest.mark.parametrize("batch, q_heads, joined", [(2, 8, True), (8, 32, False)])
-def test_auto_sends_grouped_cross_attention_to_mosaic(getkey, batch, q_heads, joined):
-    """GQA without a mask over few queries: Mosaic first on sm_90 (H100 run 103), exact;
-    its forward from the split-KV Triton kernel where its own grid is short (run 108)."""
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, joined", [(2, 8, 2, True), (8, 32, 8, False), (2, 8, 8, True)]
+)
+def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, joined):
+    """Few query tiles without a mask over long keys: Mosaic first on sm_90 (H100 runs 103,
+    109), exact; its forward from the split-KV Triton kernel where its own grid is short
+    (run 108)."""
     dev = jax.devices()[0]
     if getattr(dev, "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
     q, k, v = make_qkv(getkey(), batch=batch, q_len=128, kv_len=8192, q_heads=q_heads,
-                       kv_heads=q_heads // 4, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+                       kv_heads=kv_heads, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     choice = explain_attention(q, k, v)
     assert choice.kernel == "mosaic"
     assert (choice.config.split_kv_forward is not None) == joined

@@ -325,6 +325,7 @@ def test_default_joins_the_split_kv_forward_where_the_grid_is_short():
     assert joined(1, 128, 32768, masks.Causal()) is None  # the join takes no masks
     assert joined(1, 128, 32768, device=cpu) is None  # interpreted tests set it themselves
     assert joined(1, 128, 256) is None  # too few keys for the Triton forward to split
+    assert joined(1, 16, 32768) is None  # the Triton plan packs 4 heads: not the join's
 
 
 def test_default_tiles_step_down_where_shared_memory_is_short(getkey):

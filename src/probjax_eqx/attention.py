@@ -45,13 +45,15 @@ register_op("attention", lambda: _IMPLEMENTATIONS)
 # Few queries over long KV (decoding, cross-attention to long contexts): query tiles
 # alone leave the GPU idle, the split-KV forward does not. H200 run 13-14: at Lq 1 and
 # 16 over 32k-131k keys it matches or beats jax.nn cudnn at every shape (B1, Lq 16,
-# 131k: 0.41 vs 1.54 ms); the 4096-key floor is not measured yet.
+# 131k: 0.41 vs 1.54 ms); the 4096-key floor is not measured yet. One KV head per query
+# head with a full query tile goes to `cross` instead (`_mosaic_cross_mha`).
 FEW_QUERIES = dict(max_query_rows=128, min_kv_len=4096)
 
 
 def _few_queries(call) -> bool:
     rows = call.q_len * call.groups
-    return rows <= FEW_QUERIES["max_query_rows"] and call.kv_len >= FEW_QUERIES["min_kv_len"]
+    few = rows <= FEW_QUERIES["max_query_rows"] and call.kv_len >= FEW_QUERIES["min_kv_len"]
+    return few and not _mosaic_cross_mha(call)
 
 
 register_regime("attention", "few_queries", _few_queries)
@@ -116,32 +118,45 @@ def _mosaic_causal(call) -> bool:  # a plain causal mask, as timed (no windows, 
 
 register_regime("attention", "causal", _mosaic_causal)
 
-# Grouped query heads (GQA) without a mask, up to 1024 queries: cuDNN's backward writes
-# dK and dV per query head and then sums each group, where our Mosaic dK/dV kernel sums
-# the group as it goes. H100 run 103, hd 128, 32 query heads over 8, fwd+bwd ms (Mosaic /
-# our cuDNN route / torch SDPA cuDNN): batch 8, 128 queries over 8192 keys 1.202 / 2.256 /
-# 1.778, over 32768 keys 4.68 / 8.77 / 6.75; 512 queries 4.14 / 4.76 / 4.25; 1024 queries
-# 7.97 / 8.28 / 7.68. Batch 2, 4096 over 4096: cuDNN wins, 4.06 / 3.92 / 3.68. With one
-# KV head per query head cuDNN stays first (128 over 8192: 1.949 / 1.974 / 1.562).
-# Shorter key sets are not timed yet: they stay on cuDNN. Where Mosaic's forward grid is
-# short (batch 1-2), its default config takes the split-KV Triton forward (run 108: 1 x
-# 128 over 32768 keys 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
-GROUPED_MOSAIC_MAX_Q_LEN = 1024
-GROUPED_MOSAIC_MIN_KV_LEN = 8192
-GROUPED_MOSAIC_HEAD_DIM = 128  # as timed
+# Few query tiles over long keys without a mask (cross-attention): our Mosaic kernels.
+# Grouped query heads (GQA) up to 1024 queries: cuDNN's backward writes dK and dV per
+# query head and then sums each group, where our Mosaic dK/dV kernel sums the group as it
+# goes. H100 run 103, hd 128, 32 query heads over 8, fwd+bwd ms (Mosaic / our cuDNN route
+# / torch SDPA cuDNN): batch 8, 128 queries over 8192 keys 1.202 / 2.256 / 1.778, over
+# 32768 keys 4.68 / 8.77 / 6.75; 512 queries 4.14 / 4.76 / 4.25; 1024 queries 7.97 / 8.28
+# / 7.68. Batch 2, 4096 over 4096: cuDNN wins, 4.06 / 3.92 / 3.68. Shorter key sets are
+# not timed yet: they stay on cuDNN. Where Mosaic's forward grid is short (batch 1-2), its
+# default config takes the split-KV Triton forward (run 108: 1 x 128 over 32768 keys
+# 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
+# One KV head per query head: at 65-128 queries both kernels' forwards run one 128-row
+# query tile per head (the split-KV Triton kernel's `few_queries` tile) and Mosaic's
+# backward is the faster. H100 run 109, hd 128, 32 heads, fwd / fwd+bwd ms (Mosaic /
+# Triton / our cuDNN route in run 108 / torch SDPA cuDNN): batch 8, 128 over 8192 keys
+# 0.368 / 1.927, 0.370 / 2.079, 0.379 / 1.961, 0.357 / 1.531; batch 1, 128 over 32768
+# (joined) 0.189 / 0.940, 0.188 / 1.069, -, 0.369 / 0.921. More queries are not timed.
+CROSS_MOSAIC_MAX_Q_LEN = 1024
+CROSS_MOSAIC_MIN_KV_LEN = 8192
+CROSS_MOSAIC_HEAD_DIM = 128  # as timed
+CROSS_MOSAIC_MHA_Q_LENS = range(65, 129)  # one query tile per head, at least half full
 
 
-def _mosaic_grouped(call) -> bool:
+def _mosaic_cross_mha(call) -> bool:
+    """One KV head per query head in `cross` (`few_queries` would take it first)."""
+    return call.groups == 1 and call.score_mod is None and _mosaic_cross(call)
+
+
+def _mosaic_cross(call) -> bool:
+    mha_tile = call.groups == 1 and call.q_len in CROSS_MOSAIC_MHA_Q_LENS
     return (
-        call.groups > 1
+        (call.groups > 1 or mha_tile)
         and not call.mask_terms
-        and call.q_len <= GROUPED_MOSAIC_MAX_Q_LEN
-        and call.kv_len >= GROUPED_MOSAIC_MIN_KV_LEN
-        and call.qk_dim == call.v_dim == GROUPED_MOSAIC_HEAD_DIM
+        and call.q_len <= CROSS_MOSAIC_MAX_Q_LEN
+        and call.kv_len >= CROSS_MOSAIC_MIN_KV_LEN
+        and call.qk_dim == call.v_dim == CROSS_MOSAIC_HEAD_DIM
     )
 
 
-register_regime("attention", "grouped", _mosaic_grouped)
+register_regime("attention", "cross", _mosaic_cross)
 
 MaskLike = AbstractMask | Bool[ArrayLike, "_b _h q_seq kv_seq"] | None
 

@@ -18,7 +18,7 @@ Registry rules (in priority order, first supported wins):
 | attention, KV/Q lengths | triton, mosaic, xla | triton, xla |
 | attention, score mods | mosaic, triton, xla  | triton, xla                 |
 | attention, causal below T 16384, or hd <= 64 | mosaic, cudnn, triton, xla | triton, xla |
-| attention, GQA hd 128, no mask, Lq<=1024, Lkv>=8192 | mosaic, cudnn, triton, xla | triton, xla |
+| attention, few query tiles over long KV, no mask | mosaic, cudnn, triton, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
 | ssd, linear_attention | triton, chunked      | triton, chunked             |
@@ -71,11 +71,12 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # (attention.CAUSAL_MOSAIC_MAX_LEN): Mosaic trains faster than cuDNN there (H100
         # run 82: T 4096 hd 128 1.138 vs 1.202 ms; run 83: T 16384 hd 64 8.66 vs 8.85).
         "sm_90:causal": ("mosaic", "cudnn", "triton", "xla"),
-        # Grouped query heads without a mask, up to 1024 queries over >= 8192 keys
-        # (attention.GROUPED_MOSAIC_*): Mosaic sums dK/dV over each group in its kernel, cuDNN
-        # in a pass of its own (H100 run 103: 128 queries over 8192 keys, 32 heads over 8,
-        # fwd+bwd 1.202 vs 2.256 ms).
-        "sm_90:grouped": ("mosaic", "cudnn", "triton", "xla"),
+        # Few query tiles over >= 8192 keys without a mask (attention.CROSS_MOSAIC_*):
+        # grouped query heads up to 1024 queries, where Mosaic sums dK/dV over each group in
+        # its kernel and cuDNN in a pass of its own (H100 run 103: 128 queries over 8192
+        # keys, 32 heads over 8, fwd+bwd 1.202 vs 2.256 ms), and one KV head per query
+        # head at 65-128 queries (run 109: 1.927 vs Triton's 2.079).
+        "sm_90:cross": ("mosaic", "cudnn", "triton", "xla"),
         "generic": ("triton", "xla"),
     },
     "grouped_matmul": {

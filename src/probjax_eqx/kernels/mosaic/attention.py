@@ -463,7 +463,9 @@ def _split_kv_forward(call: AttentionCall, device: DeviceInfo) -> TritonAttentio
         return None
     triton = TritonAttention()
     config = triton.default_config(call, device)
-    if config.num_splits == 1 or triton.check(call, device, config) is not None:
+    # The join's forward runs each query head apart (`TritonAttention.blocks`): a plan
+    # made for packed heads is not its plan.
+    if config.pack_gqa or config.num_splits == 1 or triton.check(call, device, config):
         return None
     return config
 
