@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 53, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 54, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -13,7 +13,7 @@
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
-# run 108 ran 52.
+# runs 108-109 ran 52-53.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -58,7 +58,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 53}" in
+case "${1:?stage 1 to 54}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -595,6 +595,15 @@ case "${1:?stage 1 to 53}" in
       --shape 8,128,8192,32,32 1,128,32768,32,32 8,128,8192,32,8
     suite 120 decode_train_b1 --suite decode --set q_len=128 ragged=false kv_len=8192 \
       batch=1 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  54)
+    # Regime `cross` now sends MHA at 65-128 queries over >= 8192 keys to Mosaic too (run
+    # 109): its GPU tests, then the decode suite's training rows at batch 1 and 8, GQA and
+    # MHA, beside both cuDNN routes (stage 53's batch-1 step wrote no rows: the suite
+    # timed training at batch 8 only).
+    gpu_tests 100 -k "cross_attention_to_mosaic"
+    suite 400 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
