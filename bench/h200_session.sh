@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 54, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 55, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -13,7 +13,7 @@
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
-# runs 108-109 ran 52-53.
+# runs 108-110 ran 52-54.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -58,7 +58,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 54}" in
+case "${1:?stage 1 to 55}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -604,6 +604,19 @@ case "${1:?stage 1 to 54}" in
     gpu_tests 100 -k "cross_attention_to_mosaic"
     suite 400 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  55)
+    # The Mosaic backward's fused dQ at few queries (run 109, 8 x 128 over 8192 keys, MHA:
+    # 1.927 ms fused, 1.828 with dQ in its own kernel; GQA 1.183 vs 1.219; batch 1 over
+    # 32768, joined: 0.940 vs 1.276): more batches and keys, to find where the dQ kernel's
+    # grid pays; then 96 queries (MHA), where both forwards run one 128-row tile a head.
+    step 300 probe_fused_dq python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_fused_dq.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax mosaic+set:fused_dq=False" \
+      --shape 4,128,8192,32,32 16,128,8192,32,32 8,128,32768,32,32 16,128,8192,32,8
+    step 120 probe_mha_96 python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_mha_96.json" --causal 0 --calls 1 \
+      --routes "probjax auto" "probjax triton" --shape 8,96,8192,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
