@@ -68,12 +68,14 @@ def test_auto_picks_cudnn_on_sm90():
 
 
 @pytest.mark.parametrize(
-    "batch, q_heads, kv_heads, joined", [(2, 8, 2, True), (8, 32, 8, False), (2, 8, 8, True)]
-)
-def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, joined):
+    "batch, q_heads, kv_heads, joined, fused_dq",
+    [(2, 8, 2, True, True), (8, 32, 8, False, True), (2, 8, 8, True, True),
+     (8, 16, 16, True, False)],
+)  # fmt: skip
+def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, joined, fused_dq):
     """Few query tiles without a mask over long keys: Mosaic first on sm_90 (H100 runs 103,
     109), exact; its forward from the split-KV Triton kernel where its own grid is short
-    (run 108)."""
+    (run 108), dQ from its own kernel at MHA's many heads (run 111)."""
     dev = jax.devices()[0]
     if getattr(dev, "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
@@ -82,6 +84,7 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     choice = explain_attention(q, k, v)
     assert choice.kernel == "mosaic"
     assert (choice.config.split_kv_forward is not None) == joined
+    assert choice.config.fused_dq == fused_dq
     ct = jax.random.normal(getkey(), q.shape)
     check_against_oracle(
         lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None, jit=True

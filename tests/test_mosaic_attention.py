@@ -328,6 +328,26 @@ def test_default_joins_the_split_kv_forward_where_the_grid_is_short():
     assert joined(1, 16, 32768) is None  # the Triton plan packs 4 heads: not the join's
 
 
+def test_default_gives_dq_its_own_kernel_at_one_query_tile_over_many_keys():
+    """MHA, <= 128 queries, >= half a wave of dQ programs: no fused dQ (runs 109, 111)."""
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo
+    from probjax_eqx.kernels.mosaic.attention import default_config
+
+    h100 = DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", "sm_90")
+
+    def fused(batch, q_len, kv_len, kv_heads=32, mask=None):
+        q, kv = (batch, q_len, 32, 128), (batch, kv_len, kv_heads, 128)
+        call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
+        return default_config(call, h100).fused_dq
+
+    assert not fused(4, 128, 8192) and not fused(8, 128, 32768)  # 128 / 256 programs
+    assert fused(1, 128, 32768)  # 32 programs: the dQ kernel's grid is short
+    assert fused(8, 128, 8192, kv_heads=8)  # grouped heads: fused was faster
+    assert fused(8, 256, 8192) and fused(8, 128, 4096)  # not timed
+    assert fused(8, 128, 8192, mask=masks.Causal())
+
+
 def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     from probjax_eqx.attention_call import AttentionCall
     from probjax_eqx.backends import DeviceInfo

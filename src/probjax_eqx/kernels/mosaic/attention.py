@@ -445,6 +445,25 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
     return call.q_len * -(-call.kv_len // (2 * _WG_ROWS)) * call.qk_dim * 4
 
 
+# One KV head per query head, one query tile a head, unmasked over many keys: dQ in its
+# own kernel once that kernel's grid (a program a head) fills half a wave. H100 runs 109
+# and 111, hd 128, 32 heads, 128 queries, fwd+bwd ms fused / own kernel: batch 4 over 8192
+# keys (128 programs) 0.981 / 0.928, batch 8 1.927 / 1.828, batch 16 3.798 / 3.603, batch
+# 8 over 32768 keys 7.472 / 7.233; batch 1 over 32768 (32 programs, joined) 0.940 / 1.276.
+# Grouped heads keep it fused (batch 8: 1.183 / 1.219, batch 16: 2.382 / 2.476), as does
+# self-attention (run 48).
+OWN_DQ_KERNEL_MIN_WAVES = 0.5
+OWN_DQ_KERNEL_MIN_KV_LEN = 8192  # as timed
+
+
+def _own_dq_kernel(call: AttentionCall, device: DeviceInfo) -> bool:
+    one_tile = call.groups == 1 and call.q_len <= 2 * _WG_ROWS
+    unmasked = not call.mask_terms and call.score_mod is None
+    if not (one_tile and unmasked and call.kv_len >= OWN_DQ_KERNEL_MIN_KV_LEN):
+        return False
+    return call.batch * call.q_heads >= OWN_DQ_KERNEL_MIN_WAVES * split_rule(device)["sms"]
+
+
 # The split-KV Triton forward joined to these backward kernels pays while this forward's
 # grid, one program per 128 query rows and head, fills at most `SPLIT_KV_FORWARD_MAX_WAVES`
 # waves of the device's SMs. H100 run 108, hd 128, 32 query heads over 8, unmasked, fwd+bwd
@@ -480,7 +499,9 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     `transposed_views`), which the interpreter of the CPU tests cannot run; FA3's
     forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
     24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to
-    `_FUSED_DQ_MAX_BYTES` of dQ reductions a head; the compiler's approximate exp2
+    `_FUSED_DQ_MAX_BYTES` of dQ reductions a head but where dQ's own kernel pays
+    (`_own_dq_kernel`); the split-KV Triton forward where this forward's grid is short
+    (`_split_kv_forward`); the compiler's approximate exp2
     (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU test passed exact
     in run 58, its approximated case not yet run); each (batch, head)'s tiles launched
     together (`_launch_group`).
@@ -514,7 +535,8 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         if _smem_need(call, cfg)[kernel] > SMEM_LIMIT:
             cfg = dataclasses.replace(cfg, **{field: _WG_ROWS})
     most = _FUSED_DQ_MAX_BYTES.get(cfg.launch_group, _FUSED_DQ_MAX_BYTES[None])
-    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= most:
+    fits = _fused_dq_bytes(call) <= most and not _own_dq_kernel(call, device)
+    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and fits:
         fused = dataclasses.replace(cfg, fused_dq=True)
         if _smem_need(call, fused)["dkv"] <= SMEM_LIMIT:
             cfg = fused
