@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 55, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 56, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -13,7 +13,7 @@
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
-# runs 108-110 ran 52-54.
+# runs 108-111 ran 52-55.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -58,7 +58,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 55}" in
+case "${1:?stage 1 to 56}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -617,6 +617,13 @@ case "${1:?stage 1 to 55}" in
     step 120 probe_mha_96 python3 -m bench.probe_timing dispatch \
       --out "$out/probe_mha_96.json" --causal 0 --calls 1 \
       --routes "probjax auto" "probjax triton" --shape 8,96,8192,32,32
+    ;;
+  56)
+    # MHA at one query tile a head now takes dQ's own kernel where its grid fills half a
+    # wave (run 111): the cross regime's GPU tests, then the decode suite's training rows.
+    gpu_tests 110 -k "cross_attention_to_mosaic"
+    suite 330 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
+      --only "probjax auto" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
