@@ -70,12 +70,13 @@ def test_auto_picks_cudnn_on_sm90():
 @pytest.mark.parametrize(
     "batch, q_heads, kv_heads, joined, fused_dq",
     [(2, 8, 2, True, True), (8, 32, 8, False, True), (2, 8, 8, True, True),
-     (8, 16, 16, True, False)],
+     (8, 16, 16, False, False)],
 )  # fmt: skip
 def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, joined, fused_dq):
     """Few query tiles without a mask over long keys: Mosaic first on sm_90 (H100 runs 103,
     109), exact; its forward from the split-KV Triton kernel where its own grid is short
-    (run 108), dQ from its own kernel at MHA's many heads (run 111)."""
+    (run 108; 8 x 16 heads: 128 programs, one split's waves already 97% full), dQ from
+    its own kernel at MHA's many heads (run 111)."""
     dev = jax.devices()[0]
     if getattr(dev, "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
