@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 12's parts that runs 44-47 did not reach.
+# Not yet run: 57, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -58,7 +58,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 56}" in
+case "${1:?stage 1 to 57}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -624,6 +624,18 @@ case "${1:?stage 1 to 56}" in
     gpu_tests 110 -k "cross_attention_to_mosaic"
     suite 330 decode_train --suite decode --set q_len=128 ragged=false kv_len=8192 \
       --only "probjax auto" "torch sdpa cudnn"
+    ;;
+  57)
+    # The cross regime's untimed edges (attention.CROSS_MOSAIC_*): 4096 keys (GQA stays
+    # on cuDNN, MHA at 128 queries on the split-KV Triton kernel) and hd 64, each beside
+    # Mosaic and torch.
+    step 260 probe_cross_edges python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_cross_edges.json" --causal 0 --calls 1 \
+      --routes "probjax auto" "probjax mosaic" \
+      --shape 8,128,4096,32,32 8,128,4096,32,8 8,1024,4096,32,8
+    step 200 probe_cross_hd64 python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_cross_hd64.json" --causal 0 --calls 1 --head-dim 64 \
+      --routes "probjax auto" "probjax mosaic" --shape 8,128,8192,32,8 8,128,8192,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
