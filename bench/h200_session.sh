@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 57, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -13,7 +13,8 @@
 # non-causal half: both steps reached their limits compiling the causal 8-call stacks);
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
-# runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended.
+# runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended;
+# runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
