@@ -3,7 +3,7 @@
 bf16, 32 query heads over 8 KV heads (and plain MHA), hd 128, Lq 1/16/128, Lkv up to
 131,072, with and without per-batch KV lengths (each batch element keeps a different
 share of the keys). Forward times for every case, forward+backward for Lq=128
-(cross-attention trains: from 8192 keys on our Mosaic kernels, `attention.CROSS_MOSAIC_*`,
+(cross-attention trains: from 4096 keys on our Mosaic kernels, `attention.CROSS_MOSAIC_*`,
 joined to the split-KV Triton forward at batch 1). `kv_tb_s` is the rate at which the
 forward reads the valid keys and values: the decode roofline is the GPU's memory bandwidth.
 

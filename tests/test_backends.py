@@ -67,10 +67,10 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
         )
         assert long.kernel == kernel, d
 
-    # Grouped query heads without a mask, up to 1024 queries over >= 8192 keys at hd 128:
-    # Mosaic sums dK/dV over each group in its kernel (H100 run 103); beyond that cuDNN.
-    # One KV head per query head: Mosaic at 65-128 queries (run 109), cuDNN above, the
-    # split-KV Triton kernel below.
+    # Grouped query heads without a mask, up to 1024 queries over >= 4096 keys at hd 64
+    # or 128: Mosaic sums dK/dV over each group in its kernel (H100 runs 103, 114, 115);
+    # beyond that cuDNN. One KV head per query head: Mosaic at 65-128 queries (runs 109,
+    # 114), cuDNN above, the split-KV Triton kernel below.
     def cross(lq, lkv, kv_heads=2, d=128, score_mod=None):
         q = jax.ShapeDtypeStruct((2, lq, 8, d), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, lkv, kv_heads, d), jnp.bfloat16)
@@ -79,14 +79,16 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = cross(1024, 8192)
     assert choice.kernel == "mosaic" and "'sm_90:cross' priority list" in choice.reason
     assert cross(2048, 8192).kernel == "cudnn"
-    assert cross(1024, 4096).kernel == "cudnn"  # shorter key sets: not timed yet
-    assert cross(1024, 8192, d=64).kernel == "cudnn"
+    assert cross(1024, 4096).kernel == cross(1024, 8192, d=64).kernel == "mosaic"
+    assert cross(1024, 2048).kernel == "cudnn"  # shorter key sets: not timed yet
+    assert cross(1024, 8192, d=256).kernel == "cudnn"
     mha = {lq: cross(lq, 8192, kv_heads=8) for lq in (64, 65, 128, 129, 1024)}
     kernels = {64: "triton", 65: "mosaic", 128: "mosaic", 129: "cudnn", 1024: "cudnn"}
     assert {lq: c.kernel for lq, c in mha.items()} == kernels
     assert "'sm_90:few_queries' priority list" in mha[64].reason
     assert "'sm_90:cross' priority list" in mha[128].reason
-    assert cross(128, 4096, kv_heads=8).kernel == "triton"  # few_queries: not timed yet
+    assert cross(128, 4096, kv_heads=8).kernel == "mosaic"
+    assert cross(128, 2048, kv_heads=8).kernel == "cudnn"  # below both regimes
     soft_cap = cross(128, 8192, kv_heads=8, score_mod=biases.SoftCap(30.0))
     assert soft_cap.kernel == "triton" and "few_queries" in soft_cap.reason
     # float32 goes past both to Triton.

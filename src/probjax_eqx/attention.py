@@ -124,19 +124,22 @@ register_regime("attention", "causal", _mosaic_causal)
 # goes. H100 run 103, hd 128, 32 query heads over 8, fwd+bwd ms (Mosaic / our cuDNN route
 # / torch SDPA cuDNN): batch 8, 128 queries over 8192 keys 1.202 / 2.256 / 1.778, over
 # 32768 keys 4.68 / 8.77 / 6.75; 512 queries 4.14 / 4.76 / 4.25; 1024 queries 7.97 / 8.28
-# / 7.68. Batch 2, 4096 over 4096: cuDNN wins, 4.06 / 3.92 / 3.68. Shorter key sets are
-# not timed yet: they stay on cuDNN. Where Mosaic's forward grid is short (batch 1-2), its
-# default config takes the split-KV Triton forward (run 108: 1 x 128 over 32768 keys
-# 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
+# / 7.68; run 114, 1024 over 4096 keys 4.08 / 4.29 / 3.94. Batch 2, 4096 over 4096: cuDNN
+# wins, 4.06 / 3.92 / 3.68. Run 115, hd 64, batch 8, 128 over 8192 keys: 0.703 / 1.393 /
+# 1.128. Shorter key sets are not timed: they stay on cuDNN. Where Mosaic's forward grid
+# is short (batch 1-2), its default config takes the split-KV Triton forward (run 108: 1
+# x 128 over 32768 keys 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
 # One KV head per query head: at 65-128 queries both kernels' forwards run one 128-row
 # query tile per head (the split-KV Triton kernel's `few_queries` tile) and Mosaic's
 # backward is the faster. H100 run 109, hd 128, 32 heads, fwd / fwd+bwd ms (Mosaic /
 # Triton / our cuDNN route in run 108 / torch SDPA cuDNN): batch 8, 128 over 8192 keys
 # 0.368 / 1.927, 0.370 / 2.079, 0.379 / 1.961, 0.357 / 1.531; batch 1, 128 over 32768
-# (joined) 0.189 / 0.940, 0.188 / 1.069, -, 0.369 / 0.921. More queries are not timed.
+# (joined) 0.189 / 0.940, 0.188 / 1.069, -, 0.369 / 0.921; batch 8 over 4096 keys (runs
+# 114-115) 1.001 / 1.091 / - / 0.855, at hd 64 0.575 / 0.640 / - / 0.548. More queries are
+# not timed.
 CROSS_MOSAIC_MAX_Q_LEN = 1024
-CROSS_MOSAIC_MIN_KV_LEN = 8192
-CROSS_MOSAIC_HEAD_DIM = 128  # as timed
+CROSS_MOSAIC_MIN_KV_LEN = 4096
+CROSS_MOSAIC_HEAD_DIMS = (64, 128)  # as timed
 CROSS_MOSAIC_MHA_Q_LENS = range(65, 129)  # one query tile per head, at least half full
 
 
@@ -152,7 +155,8 @@ def _mosaic_cross(call) -> bool:
         and not call.mask_terms
         and call.q_len <= CROSS_MOSAIC_MAX_Q_LEN
         and call.kv_len >= CROSS_MOSAIC_MIN_KV_LEN
-        and call.qk_dim == call.v_dim == CROSS_MOSAIC_HEAD_DIM
+        and call.qk_dim == call.v_dim
+        and call.qk_dim in CROSS_MOSAIC_HEAD_DIMS
     )
 
 

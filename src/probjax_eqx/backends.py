@@ -71,7 +71,7 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # (attention.CAUSAL_MOSAIC_MAX_LEN): Mosaic trains faster than cuDNN there (H100
         # run 82: T 4096 hd 128 1.138 vs 1.202 ms; run 83: T 16384 hd 64 8.66 vs 8.85).
         "sm_90:causal": ("mosaic", "cudnn", "triton", "xla"),
-        # Few query tiles over >= 8192 keys without a mask (attention.CROSS_MOSAIC_*):
+        # Few query tiles over >= 4096 keys without a mask (attention.CROSS_MOSAIC_*):
         # grouped query heads up to 1024 queries, where Mosaic sums dK/dV over each group in
         # its kernel and cuDNN in a pass of its own (H100 run 103: 128 queries over 8192
         # keys, 32 heads over 8, fwd+bwd 1.202 vs 2.256 ms), and one KV head per query

@@ -450,16 +450,18 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
 # and 111, hd 128, 32 heads, 128 queries, fwd+bwd ms fused / own kernel: batch 4 over 8192
 # keys (128 programs) 0.981 / 0.928, batch 8 1.927 / 1.828, batch 16 3.798 / 3.603, batch
 # 8 over 32768 keys 7.472 / 7.233; batch 1 over 32768 (32 programs, joined) 0.940 / 1.276.
-# Grouped heads keep it fused (batch 8: 1.183 / 1.219, batch 16: 2.382 / 2.476), as does
-# self-attention (run 48).
+# Grouped heads keep it fused (batch 8: 1.183 / 1.219, batch 16: 2.382 / 2.476), as do
+# self-attention (run 48) and hd 64 over 4096 keys (run 115, batch 8: 0.575 / 0.602).
 OWN_DQ_KERNEL_MIN_WAVES = 0.5
 OWN_DQ_KERNEL_MIN_KV_LEN = 8192  # as timed
+OWN_DQ_KERNEL_HEAD_DIM = 128  # as timed
 
 
 def _own_dq_kernel(call: AttentionCall, device: DeviceInfo) -> bool:
     one_tile = call.groups == 1 and call.q_len <= 2 * _WG_ROWS
     unmasked = not call.mask_terms and call.score_mod is None
-    if not (one_tile and unmasked and call.kv_len >= OWN_DQ_KERNEL_MIN_KV_LEN):
+    timed = call.kv_len >= OWN_DQ_KERNEL_MIN_KV_LEN and call.qk_dim == OWN_DQ_KERNEL_HEAD_DIM
+    if not (one_tile and unmasked and timed):
         return False
     return call.batch * call.q_heads >= OWN_DQ_KERNEL_MIN_WAVES * split_rule(device)["sms"]
 
