@@ -545,38 +545,38 @@ def _split_share(ranges, split, splits: int):
     return tuple(jnp.clip(r, first, first + per) for r in ranges)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
-    n_ops = len(st.kinds)
-    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
-    op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
-    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    splits = st.config.num_splits
-    bq, bk = st.config.block_q, st.config.block_k
-    i = _flash.last_first(t // splits, st.q_pad // bq)
-    q = q_ref[...] if st.rows is None else st.rows.load(q_ref, i)
-    # Reading the caller's K / V: the last key tile may run past them (masked loads).
+def _kv_loader(st: _Static, ref):
+    """`load(start, masked)`: a key tile of `ref`, `[keys, dim]`, from key `start`.
+
+    Reading the caller's K / V (`st.rows`), the last key tile may run past them: its
+    loads are masked.
+    """
+    bk = st.config.block_k
     ragged_tail = st.rows is not None and st.call.kv_len % bk != 0
 
-    def kv_tile(ref, start, masked):
+    def load(start, masked):
         if not (masked and ragged_tail):
             return ref[pl.ds(start, bk), :]
         keep = (start + jnp.arange(bk, dtype=jnp.int32) < st.call.kv_len)[:, None]
         return plt.load(ref.at[pl.ds(start, bk), :], mask=keep, other=jnp.zeros((), ref.dtype))
 
-    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    if st.unmasked:
-        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
-    else:
-        ranges = tuple(ref[()] for ref in range_refs)
-    ranges = _split_share(ranges, t % splits, splits)
+    return load
+
+
+def _attend_tiles(st: _Static, build, op_refs, q, loads, dv: int, q_idx, b, h, ranges):
+    """`(acc, m, denom)`: the online softmax of `q`'s rows over the key tiles `ranges`.
+
+    `loads`: the K and V tile loaders (`_kv_loader`); `dv`: V's columns.
+    """
+    load_k, load_v = loads
+    bq, bk = q.shape[0], st.config.block_k
 
     def body(j, carry, masked):
         acc, m, denom = carry
         start = pl.multiple_of(j * bk, bk)
-        tile = pl.ds(start, bk)
-        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=pl.ds(start, bk)))
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        s = plt.dot(q, kv_tile(k_ref, start, masked), trans_b=True)
+        s = plt.dot(q, load_k(start, masked), trans_b=True)
         if mod is None:
             # Scale after the row max and inside `s * c - m` (one FMA an element): the
             # softmax's ALU work competes with the MMAs in this kernel.
@@ -592,24 +592,51 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s * c - m_safe[:, None])
-        v = kv_tile(v_ref, start, masked)
+        v = load_v(start, masked)
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
         return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
 
     init = (
-        jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
+        jnp.zeros((bq, dv), jnp.float32),
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, denom = _flash.tile_loop(ranges, body, init)
+    return _flash.tile_loop(ranges, body, init)
+
+
+def _normalised(acc, m, denom, *, empty_lse):
+    """The tile's output and base-2 log-sum-exp; rows without a key get `empty_lse`."""
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
-    if st.rows is not None and splits == 1:
-        st.rows.store(o_ref, acc / safe[:, None], i)
+    return acc / safe[:, None], jnp.where(empty, empty_lse, m + jnp.log2(safe))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
+    n_ops = len(st.kinds)
+    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
+    op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
+    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    splits = st.config.num_splits
+    bq, bk = st.config.block_q, st.config.block_k
+    i = _flash.last_first(t // splits, st.q_pad // bq)
+    q = q_ref[...] if st.rows is None else st.rows.load(q_ref, i)
+    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    if st.unmasked:
+        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
     else:
-        o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+        ranges = tuple(ref[()] for ref in range_refs)
+    ranges = _split_share(ranges, t % splits, splits)
+    loads = _kv_loader(st, k_ref), _kv_loader(st, v_ref)
+    acc, m, denom = _attend_tiles(
+        st, build, op_refs, q, loads, o_ref.shape[-1], q_idx, b, h, ranges
+    )
     # An empty row: +inf makes the backward's p = 0; an empty split weighs 0 in the merge.
-    lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
+    o, lse = _normalised(acc, m, denom, empty_lse=-jnp.inf if splits > 1 else jnp.inf)
+    if st.rows is not None and splits == 1:
+        st.rows.store(o_ref, o, i)
+    else:
+        o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
