@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 12's parts that runs 44-47 did not reach.
+# Not yet run: 58, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -59,7 +59,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 57}" in
+case "${1:?stage 1 to 58}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -637,6 +637,20 @@ case "${1:?stage 1 to 57}" in
     step 200 probe_cross_hd64 python3 -m bench.probe_timing dispatch \
       --out "$out/probe_cross_hd64.json" --causal 0 --calls 1 --head-dim 64 \
       --routes "probjax auto" "probjax mosaic" --shape 8,128,8192,32,8 8,128,8192,32,32
+    ;;
+  58)
+    # Stream-K decoding (`lean_programs`): one wave of equally busy programs, where the
+    # split plan's last wave runs part-empty when the SMs are no multiple of the heads
+    # (1-3.5% behind torch at Lq 1 without lengths, runs 98-102: every such shape's plan
+    # filled 97% of its waves). Its GPU tests, then the forward beside the split plan and
+    # torch at those shapes, one and two programs an SM.
+    gpu_tests 100 -k "lean_forward"
+    step 300 probe_lean python3 -m bench.probe_timing dispatch --forward-only \
+      --out "$out/probe_lean.json" --causal 0 --calls 1 \
+      --routes "probjax triton" "probjax triton+set:lean_programs=132" \
+        "probjax triton+set:lean_programs=264" \
+      --shape 1,1,131072,32,8 1,1,32768,32,32 8,1,32768,32,32 8,1,8192,32,8 \
+        1,1,8192,32,32 8,1,131072,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

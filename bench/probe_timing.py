@@ -133,6 +133,8 @@ def _dispatch_jax(f, q, k, v, ct, args):
     }
     if args.calls == 1:  # no chains: one call per program alone
         programs = {how: p for how, p in programs.items() if "chain" not in how}
+    if args.forward_only:
+        programs = {how: p for how, p in programs.items() if "bwd" not in how}
     out = {}
     for how, (program, calls) in programs.items():
         operands = (q, k, v, ct) if "bwd" in how else (q, k, v)
@@ -153,9 +155,10 @@ def _dispatch_torch(f, q, k, v, ct, args):
                 return chained(qt, kt, vt)
 
         out["fwd" + how] = _torch_time(fwd) / calls
-        out["fwd+bwd" + how] = _torch_time(
-            functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
-        ) / calls  # fmt: skip
+        if not args.forward_only:
+            out["fwd+bwd" + how] = _torch_time(
+                functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
+            ) / calls  # fmt: skip
     return out
 
 
@@ -189,6 +192,8 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=1, help="alternations of every route")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="dispatch: forward programs only (decoding)")  # fmt: skip
     parser.add_argument("--calls", type=int, default=8,
                         help="calls in a chain (dispatch); 1: no chains")  # fmt: skip
     args = parser.parse_args()
