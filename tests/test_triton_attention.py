@@ -381,7 +381,7 @@ def test_lean_plan_and_refusals(getkey):
     assert lean.slots == 3 and lean.coordinates(lean.unit(1, 1, 0)) == (0, 1, 1)
     q, k, v = make_qkv(getkey(), q_len=3, kv_len=40)
     config = dataclasses.replace(CFG, lean_programs=4)
-    with pytest.raises(UnsupportedError, match="lean_programs .* unmasked calls"):
+    with pytest.raises(UnsupportedError, match="lean_programs: .* unmasked calls only"):
         run_triton(q, k, v, masks.KVLengths(jnp.array([40, 9])), config=config)
     with pytest.raises(ValueError, match="lean_programs=-1 must be >= 0"):
         TritonAttentionConfig(lean_programs=-1)

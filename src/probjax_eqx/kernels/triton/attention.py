@@ -710,8 +710,8 @@ class _Lean:
 def _lean_refusal(call: AttentionCall) -> str | None:
     if call.mask_terms or call.score_mod is not None:
         return (
-            "lean_programs runs a run of key tiles across heads' boundaries with no mask "
-            "to evaluate: unmasked calls without score mods only (num_splits takes masks)"
+            "lean_programs: a program's run of key tiles crosses from head to head with "
+            "no mask or score mod to evaluate: unmasked calls only (num_splits takes masks)"
         )
     return None
 
