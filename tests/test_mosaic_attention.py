@@ -305,18 +305,27 @@ def test_shared_memory_is_counted_as_mosaic_counts_it():
     assert freed == {"forward": 0, "dkv": 2 * 2 * 64 * 128 * 2 + 32, "dq": 2 * 64 * 128 * 2 + 16}
 
 
-def test_default_joins_the_split_kv_forward_where_the_grid_is_short():
-    """One wave of programs or fewer, unmasked: the Triton split-KV forward (run 108)."""
+def test_auto_joins_the_split_kv_forward_where_the_grid_is_short():
+    """One wave of programs or fewer, unmasked: the Triton split-KV forward (run 108),
+    in automatic selection; "mosaic" by name runs its own kernels."""
     from probjax_eqx.attention_call import AttentionCall
-    from probjax_eqx.backends import DeviceInfo
-    from probjax_eqx.kernels.mosaic.attention import default_config
+    from probjax_eqx.backends import DeviceInfo, resolve
+    from probjax_eqx.kernels.mosaic.attention import auto_config
 
     h100, cpu = DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", "sm_90"), DeviceInfo("cpu", "cpu")
 
-    def joined(batch, q_len, kv_len, mask=None, device=h100):
+    def call_of(batch, q_len, kv_len, mask=None):
         q, kv = (batch, q_len, 32, 128), (batch, kv_len, 8, 128)
-        call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
-        return default_config(call, device).split_kv_forward
+        return AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
+
+    def joined(batch, q_len, kv_len, mask=None, device=h100):
+        return auto_config(call_of(batch, q_len, kv_len, mask), device).split_kv_forward
+
+    short = call_of(1, 128, 32768)
+    for implementation, expected in (("auto", True), ("mosaic", False)):
+        choice = resolve("attention", implementation, device=h100, environ={}).select(short)
+        assert choice.kernel == "mosaic"
+        assert (choice.config.split_kv_forward is not None) == expected, implementation
 
     # 32 and 64 programs: joined, the Triton forward splitting the keys.
     assert joined(1, 128, 32768).num_splits > 1 and joined(2, 128, 32768).num_splits > 1

@@ -127,8 +127,8 @@ register_regime("attention", "causal", _mosaic_causal)
 # / 7.68; run 114, 1024 over 4096 keys 4.08 / 4.29 / 3.94. Batch 2, 4096 over 4096: cuDNN
 # wins, 4.06 / 3.92 / 3.68. Run 115, hd 64, batch 8, 128 over 8192 keys: 0.703 / 1.393 /
 # 1.128. Shorter key sets are not timed: they stay on cuDNN. Where Mosaic's forward grid
-# is short (batch 1-2), its default config takes the split-KV Triton forward (run 108: 1
-# x 128 over 32768 keys 0.671 ms vs torch 1.157; `SPLIT_KV_FORWARD_MAX_WAVES`).
+# is short (batch 1-2), automatic selection joins it to the split-KV Triton forward (run
+# 108: 1 x 128 over 32768 keys 0.671 ms vs torch 1.157; `mosaic.attention.auto_config`).
 # One KV head per query head: at 65-128 queries both kernels' forwards run one 128-row
 # query tile per head (the split-KV Triton kernel's `few_queries` tile) and Mosaic's
 # backward is the faster. H100 run 109, hd 128, 32 heads, fwd / fwd+bwd ms (Mosaic /

@@ -249,7 +249,10 @@ class KernelImplementation(Protocol):
     first reason it cannot compute `call` exactly (or `None`), `default_config(call, device)`,
     and a `__call__` taking the op's canonical arguments plus `config`, with forward
     and backward under one `jax.custom_vjp`. Then list its name in `DEVICE_DEFAULTS`
-    and in the op's implementation table.
+    and in the op's implementation table. An optional `auto_config(call, device)` is
+    the config automatic selection runs, where it may join another backend's kernels
+    (Mosaic attention's split-KV Triton forward); asked for by name, an implementation
+    runs its `default_config`: its own kernels.
     """
 
     name: str
@@ -330,7 +333,9 @@ class Backend:
             impl = table[name]
             why = impl.check(call, self.device, config)
             if why is None:
-                if config is None:
+                if config is None and not self.pinned and hasattr(impl, "auto_config"):
+                    config = impl.auto_config(call, self.device)  # pyright: ignore
+                elif config is None:
                     config = impl.default_config(call, self.device)
                 elif hasattr(impl, "resolve_config"):  # fill an explicit config's "auto" fields
                     config = impl.resolve_config(config, call, self.device)  # pyright: ignore

@@ -179,8 +179,9 @@ class MosaicAttentionConfig:
             forward's log-sum-exp (`_flash.attend_halves`). For calls whose forward grid
             leaves SMs idle, few query tiles over many keys, where the Triton forward
             splits the keys over programs and this one does not. Unmasked calls without
-            score mods only. `default_config` sets it on the GPU where this forward's
-            grid fills at most one wave and the Triton plan splits (`_split_kv_forward`).
+            score mods only. Automatic selection (`auto_config`) sets it on the GPU where
+            this forward's grid fills at most one wave and the Triton plan splits
+            (`_split_kv_forward`); `implementation="mosaic"` by name leaves it None.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -476,7 +477,7 @@ SPLIT_KV_FORWARD_MAX_WAVES = 1
 
 
 def _split_kv_forward(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig | None:
-    """The Triton config whose split-KV forward `default_config` joins, or None."""
+    """The Triton config whose split-KV forward `auto_config` joins, or None."""
     if not device.is_gpu or call.mask_terms or call.score_mod is not None:
         return None
     programs = call.batch * call.q_heads * -(-call.q_len // (2 * _WG_ROWS))
@@ -502,8 +503,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
     24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to
     `_FUSED_DQ_MAX_BYTES` of dQ reductions a head but where dQ's own kernel pays
-    (`_own_dq_kernel`); the split-KV Triton forward where this forward's grid is short
-    (`_split_kv_forward`); the compiler's approximate exp2
+    (`_own_dq_kernel`); the compiler's approximate exp2
     (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU test passed exact
     in run 58, its approximated case not yet run); each (batch, head)'s tiles launched
     together (`_launch_group`).
@@ -530,7 +530,6 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         backward_memory_registers=_backward_memory_registers(call) if gpu else MEMORY_REGISTERS,
         approx_math=gpu and call.score_mod is None,
         launch_group=_launch_group(call) if gpu else None,
-        split_kv_forward=_split_kv_forward(call, device),
         interpret=not gpu,
     )
     for kernel, field in (("forward", "block_k"), ("dkv", "block_k_dkv"), ("dq", "block_q_dq")):
@@ -543,6 +542,17 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         if _smem_need(call, fused)["dkv"] <= SMEM_LIMIT:
             cfg = fused
     return cfg
+
+
+def auto_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
+    """What automatic selection runs: `default_config`, joined to the split-KV forward.
+
+    The Triton forward joins where this forward's grid is short (`_split_kv_forward`).
+    By name, "mosaic" runs its own kernels (`default_config`).
+    """
+    return dataclasses.replace(
+        default_config(call, device), split_kv_forward=_split_kv_forward(call, device)
+    )
 
 
 # Masks under which a query tile's work grows with its index (`_flash.last_first`).
@@ -1718,6 +1728,9 @@ class MosaicAttention:
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
         return default_config(call, device)
+
+    def auto_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
+        return auto_config(call, device)
 
     def __call__(self, q, k, v, *, mask, score_mod, scale, config: MosaicAttentionConfig):
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
