@@ -22,7 +22,7 @@ log-sum-exp is stored as +inf, so the backward sees p = 0).
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -479,7 +479,7 @@ class _Rows:
         pos = tile * self.positions + jnp.arange(self.positions, dtype=jnp.int32)
         return (pos < self.q_len).reshape((self.positions,) + (1,) * (1 + (self.pack > 1)))
 
-    def load(self, ref, tile, at=...):
+    def load(self, ref, tile, at: Any = ...):
         """Tile `tile`'s rows of the block `ref`, or of `ref[at]`.
 
         `at` indexes the whole array in one indexer: Triton lowers no nested ones.
