@@ -414,6 +414,11 @@ class _Static:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
     @property
+    def forward_rows(self) -> "_Rows":
+        """The forward's query rows: the caller's (`rows`), else the padded operand's."""
+        return self.rows or _Rows(self.config.block_q, self.q_pad, 1)
+
+    @property
     def one_key_tile(self) -> bool:
         return one_key_tile(self.call, self.config)
 
@@ -736,7 +741,7 @@ def _lean_fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, build,
     end = lean.start(p + 1)
     bq, bk, kv_tiles = st.config.block_q, st.config.block_k, lean.kv_tiles
     full_tiles = st.call.kv_len // bk  # tiles before it hold no key past the end
-    rows = st.rows or _Rows(bq, st.q_pad, 1)
+    rows = st.forward_rows
 
     def unit_run(cursor):
         u = cursor // kv_tiles
@@ -764,7 +769,6 @@ def _lean_forward(st: _Static, build, q, k, v):
     """`_forward` by `lean_programs` programs (`_Lean`), then `merge_splits`."""
     cfg, lean = st.config, _lean_plan(st)
     batch, heads, dv = q.shape[0], st.call.q_heads, v.shape[-1]
-    rows = st.rows or _Rows(cfg.block_q, st.q_pad, 1)
     o, lse = pl.pallas_call(
         functools.partial(_lean_fwd_kernel, st=st, build=build, lean=lean),
         grid=(lean.programs,),
@@ -775,7 +779,7 @@ def _lean_forward(st: _Static, build, q, k, v):
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="probjax_attention_triton_fwd_lean",
-    )(rows.view(q), k, v)
+    )(st.forward_rows.view(q), k, v)
     return merge_splits(o, lse, q.dtype, cfg, rows=st.rows, lean=lean)
 
 
@@ -931,7 +935,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
     grid = (tiles * n, heads, batch)
-    rows = st.rows or _Rows(cfg.block_q, st.q_pad, 1)
+    rows = st.forward_rows
     o_shape = (*q.shape[:-1], dv) if st.rows else (batch, st.q_pad, heads, dv)
 
     def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
