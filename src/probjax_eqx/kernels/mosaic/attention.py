@@ -478,16 +478,13 @@ SPLIT_KV_FORWARD_MAX_WAVES = 1
 
 def _split_kv_forward(call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig | None:
     """The Triton config whose split-KV forward `auto_config` joins, or None."""
-    if not device.is_gpu or call.mask_terms or call.score_mod is not None:
-        return None
     programs = call.batch * call.q_heads * -(-call.q_len // (2 * _WG_ROWS))
-    if programs > SPLIT_KV_FORWARD_MAX_WAVES * split_rule(device)["sms"]:
+    if not device.is_gpu or programs > SPLIT_KV_FORWARD_MAX_WAVES * split_rule(device)["sms"]:
         return None
-    triton = TritonAttention()
-    config = triton.default_config(call, device)
+    config = TritonAttention().default_config(call, device)
     # The join's forward runs each query head apart (`TritonAttention.blocks`): a plan
     # made for packed heads is not its plan.
-    if config.pack_gqa or config.num_splits == 1 or triton.check(call, device, config):
+    if config.pack_gqa or config.num_splits == 1 or _split_kv_rule(call, device, config):
         return None
     return config
 
@@ -1606,14 +1603,14 @@ def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAtt
     return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
 
 
-def _split_kv_rule(call: AttentionCall, device: DeviceInfo, config: MosaicAttentionConfig):
-    """Why `config.split_kv_forward` cannot run `call`, or None."""
+def _split_kv_rule(call: AttentionCall, device: DeviceInfo, triton: TritonAttentionConfig):
+    """Why a `split_kv_forward` of config `triton` cannot run `call`, or None."""
     if call.mask_terms or call.score_mod is not None:
         return (
             "split_kv_forward joins two kernel families by the log-sum-exp of an unmasked "
             "call: no masks or score mods"
         )
-    why = TritonAttention().check(call, device, config.split_kv_forward)
+    why = TritonAttention().check(call, device, triton)
     return None if why is None else f"split_kv_forward's Triton forward: {why}"
 
 
@@ -1723,7 +1720,7 @@ class MosaicAttention:
         if why is None and config is not None:
             why = smem_refusal(_smem_need(call, config))
         if why is None and config is not None and config.split_kv_forward is not None:
-            why = _split_kv_rule(call, device, config)
+            why = _split_kv_rule(call, device, config.split_kv_forward)
         return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
