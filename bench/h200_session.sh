@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 58, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 58 and 59 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -59,7 +59,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 58}" in
+case "${1:?stage 1 to 59}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -651,6 +651,24 @@ case "${1:?stage 1 to 58}" in
         "probjax triton+set:lean_programs=264" \
       --shape 1,1,131072,32,8 1,1,32768,32,32 8,1,32768,32,32 8,1,8192,32,8 \
         1,1,8192,32,32 8,1,131072,32,32
+    # MHA training at 128 queries over 8192 keys (0.86x torch, run 112): each dK/dV
+    # program of 128 keys runs two 64-row query tiles, little work to hide its K/V loads
+    # behind; one warpgroup of 64 keys takes half the SMEM (two programs an SM?), and the
+    # dQ kernel at 64 rows twice the programs.
+    step 150 probe_dkv64 python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_dkv64.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax mosaic+set:block_k_dkv=64,fused_dq=False" \
+        "probjax mosaic+set:block_q_dq=64,fused_dq=False" \
+        "probjax mosaic+set:block_k_dkv=64,block_q_dq=64,fused_dq=False" \
+      --shape 8,128,8192,32,32 1,128,8192,32,32
+    ;;
+  59)
+    # The H200's rows with gradients checked (issue 9: its rows predate the checks):
+    # our default beside both cuDNN routes at T 4096 / 16384, then decode training.
+    suite 400 grads_long --suite attention --seq 4096 16384 --set head_dim=64,128 \
+      dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    suite 170 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
+      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
