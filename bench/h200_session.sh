@@ -644,8 +644,8 @@ case "${1:?stage 1 to 59}" in
     # (1-3.5% behind torch at Lq 1 without lengths, runs 98-102: every such shape's plan
     # filled 97% of its waves). Its GPU tests, then the forward beside the split plan and
     # torch at those shapes, one and two programs an SM.
-    gpu_tests 100 -k "lean_forward"
-    step 300 probe_lean python3 -m bench.probe_timing dispatch --forward-only \
+    gpu_tests 90 -k "lean_forward"
+    step 230 probe_lean python3 -m bench.probe_timing dispatch --forward-only \
       --out "$out/probe_lean.json" --causal 0 --calls 1 \
       --routes "probjax triton" "probjax triton+set:lean_programs=132" \
         "probjax triton+set:lean_programs=264" \
@@ -661,6 +661,8 @@ case "${1:?stage 1 to 59}" in
         "probjax mosaic+set:block_q_dq=64,fused_dq=False" \
         "probjax mosaic+set:block_k_dkv=64,block_q_dq=64,fused_dq=False" \
       --shape 8,128,8192,32,32 1,128,8192,32,32
+    step 80 trace_mosaic python3 -m bench.trace_program --routes "probjax mosaic" \
+      --shape 8,128,8192,32,32
     ;;
   59)
     # The H200's rows with gradients checked (issue 9: its rows predate the checks):
