@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 58 and 59 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 58, then 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -59,7 +59,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 59}" in
+case "${1:?stage 1 to 60}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -671,6 +671,15 @@ case "${1:?stage 1 to 59}" in
       dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     suite 170 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
       --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+    ;;
+  60)
+    # The H200's decoding rows with today's split plans (its Lq <= 16 rows are from run
+    # 32, before the plans' per-kind fill, run 107): one and 16 queries without lengths,
+    # beside both cuDNN routes (and torch flash at one query).
+    suite 330 decode_q1 --suite decode --set q_len=1 ragged=false \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
+    suite 240 decode_q16 --suite decode --set q_len=16 ragged=false \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
