@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 58, then 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -14,7 +14,7 @@
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
 # runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended;
-# runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead).
+# runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead); run 116 ran 58.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -59,7 +59,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 60}" in
+case "${1:?stage 1 to 61}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -680,6 +680,18 @@ case "${1:?stage 1 to 60}" in
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
     suite 240 decode_q16 --suite decode --set q_len=16 ragged=false \
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  61)
+    # MHA at one query tile a head over many keys now runs 64-key dK/dV programs (run 116,
+    # 8 x 128 over 8192: 1.865 -> 1.731 ms): its GPU tests, then the other shapes of the
+    # own-dQ rule beside the 128-key programs, one ring stage (three programs an SM?) and
+    # torch.
+    gpu_tests 100 -k "cross_attention_to_mosaic"
+    step 330 probe_dkv64_rule python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_dkv64_rule.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax mosaic+set:block_k_dkv=128" \
+        "probjax mosaic+set:num_stages=1" \
+      --shape 4,128,8192,32,32 16,128,8192,32,32 8,128,32768,32,32 8,96,8192,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -338,7 +338,8 @@ def test_auto_joins_the_split_kv_forward_where_the_grid_is_short():
 
 
 def test_default_gives_dq_its_own_kernel_at_one_query_tile_over_many_keys():
-    """MHA, <= 128 queries, >= half a wave of dQ programs: no fused dQ (runs 109, 111)."""
+    """MHA, <= 128 queries, >= half a wave of dQ programs: no fused dQ (runs 109, 111),
+    and 64-key dK/dV programs (run 116); fused dQ keeps two warpgroups of 64 keys."""
     from probjax_eqx.attention_call import AttentionCall
     from probjax_eqx.backends import DeviceInfo
     from probjax_eqx.kernels.mosaic.attention import default_config
@@ -348,7 +349,9 @@ def test_default_gives_dq_its_own_kernel_at_one_query_tile_over_many_keys():
     def fused(batch, q_len, kv_len, kv_heads=32, mask=None):
         q, kv = (batch, q_len, 32, 128), (batch, kv_len, kv_heads, 128)
         call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
-        return default_config(call, h100).fused_dq
+        config = default_config(call, h100)
+        assert config.block_k_dkv == (128 if config.fused_dq else 64)
+        return config.fused_dq
 
     assert not fused(4, 128, 8192) and not fused(8, 128, 32768)  # 128 / 256 programs
     assert fused(1, 128, 32768)  # 32 programs: the dQ kernel's grid is short

@@ -453,6 +453,10 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
 # 8 over 32768 keys 7.472 / 7.233; batch 1 over 32768 (32 programs, joined) 0.940 / 1.276.
 # Grouped heads keep it fused (batch 8: 1.183 / 1.219, batch 16: 2.382 / 2.476), as do
 # self-attention (run 48) and hd 64 over 4096 keys (run 115, batch 8: 0.575 / 0.602).
+# Its dK/dV programs then take 64 keys on one warpgroup (`block_k_dkv`): two query tiles
+# a program leave little work to hide the K/V loads behind, and half the shared memory
+# lets two programs share an SM. H100 run 116, batch 8 over 8192 keys: the dK/dV kernel
+# 1.024 ms of 1.750 (trace), fwd+bwd 1.865 -> 1.731 ms (torch SDPA cuDNN 1.581).
 OWN_DQ_KERNEL_MIN_WAVES = 0.5
 OWN_DQ_KERNEL_MIN_KV_LEN = 8192  # as timed
 OWN_DQ_KERNEL_HEAD_DIM = 128  # as timed
@@ -500,7 +504,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
     24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to
     `_FUSED_DQ_MAX_BYTES` of dQ reductions a head but where dQ's own kernel pays
-    (`_own_dq_kernel`); the compiler's approximate exp2
+    (`_own_dq_kernel`, with 64-key dK/dV programs); the compiler's approximate exp2
     (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU test passed exact
     in run 58, its approximated case not yet run); each (batch, head)'s tiles launched
     together (`_launch_group`).
@@ -532,9 +536,10 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     for kernel, field in (("forward", "block_k"), ("dkv", "block_k_dkv"), ("dq", "block_q_dq")):
         if _smem_need(call, cfg)[kernel] > SMEM_LIMIT:
             cfg = dataclasses.replace(cfg, **{field: _WG_ROWS})
+    if gpu and _own_dq_kernel(call, device):
+        return dataclasses.replace(cfg, block_k_dkv=_WG_ROWS)
     most = _FUSED_DQ_MAX_BYTES.get(cfg.launch_group, _FUSED_DQ_MAX_BYTES[None])
-    fits = _fused_dq_bytes(call) <= most and not _own_dq_kernel(call, device)
-    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and fits:
+    if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= most:
         fused = dataclasses.replace(cfg, fused_dq=True)
         if _smem_need(call, fused)["dkv"] <= SMEM_LIMIT:
             cfg = fused
