@@ -643,7 +643,8 @@ case "${1:?stage 1 to 61}" in
     # split plan's last wave runs part-empty when the SMs are no multiple of the heads
     # (1-3.5% behind torch at Lq 1 without lengths, runs 98-102: every such shape's plan
     # filled 97% of its waves). Its GPU tests, then the forward beside the split plan and
-    # torch at those shapes, one and two programs an SM.
+    # torch at those shapes, one and two programs an SM. (Run 116: slower at 5 of 6
+    # shapes; `lean_programs` removed since, so this stage no longer runs.)
     gpu_tests 90 -k "lean_forward"
     step 230 probe_lean python3 -m bench.probe_timing dispatch --forward-only \
       --out "$out/probe_lean.json" --causal 0 --calls 1 \

@@ -141,22 +141,6 @@ def test_split_kv_decode_on_gpu(getkey, q_len, q_heads):
     check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
 
 
-@pytest.mark.parametrize("q_len, q_heads", [(1, 8), (16, 8), (1, 2)])
-def test_lean_forward_on_gpu(getkey, q_len, q_heads):
-    """Stream-K (`lean_programs`, one wave of 132 programs) at decoding shapes: packed GQA
-    or MHA, reading the caller's operands (20,000 keys: a partial last tile)."""
-    q, k, v = make_qkv(getkey(), batch=3, q_len=q_len, kv_len=20000, q_heads=q_heads,
-                       kv_heads=2, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
-    config = explain_attention(q, k, v, implementation="triton").config
-    config = dataclasses.replace(config, lean_programs=132)
-    ct = jax.random.normal(getkey(), q.shape)
-    attend = lambda q, k, v: dot_product_attention(  # noqa: E731
-        q, k, v, implementation="triton", config=config
-    )
-    assert "probjax_attention_triton_fwd_lean" in str(jax.make_jaxpr(attend)(q, k, v))
-    check_against_oracle(attend, q, k, v, ct, mask=None, jit=True)
-
-
 @pytest.mark.parametrize(
     "dtype, head_dim, q_len",
     [(jnp.float32, 128, 333), (jnp.bfloat16, 256, 200), (jnp.float32, 256, 200)],

@@ -348,45 +348,6 @@ def test_split_kv_and_packed_gqa(getkey, splits, pack, dtype):
     assert not np.any(np.asarray(grads[0][0], np.float32))
 
 
-@pytest.mark.parametrize(
-    "programs, pack, q_len, q_heads, dim",
-    [(1, False, 3, 4, 16), (7, False, 3, 4, 16), (7, True, 3, 4, 16), (1000, True, 3, 4, 16),
-     (5, False, 20, 4, 16), (9, True, 2, 6, 24)],
-    ids=["one_program", "runs_cross_heads", "packed", "more_programs_than_tiles",
-         "two_query_tiles", "padded_operands"],
-)  # fmt: skip
-def test_lean_forward(getkey, programs, pack, q_len, q_heads, dim):
-    """Stream-K (`lean_programs`): equal runs of key tiles crossing (batch, head) units,
-    merged per unit; keys not a multiple of the tile, GQA packed or not, operands read in
-    place or padded (a group of 3, head dim 24)."""
-    q, k, v = make_qkv(getkey(), q_len=q_len, kv_len=150, q_heads=q_heads, kv_heads=2,
-                       qk_dim=dim, v_dim=dim, dtype=jnp.bfloat16)  # fmt: skip
-    ct = jax.random.normal(getkey(), q.shape)
-    config = dataclasses.replace(CFG, lean_programs=programs, pack_gqa=pack)
-    check(q, k, v, ct, config=config, primal=True)
-    attend = lambda q, k, v: run_triton(q, k, v, config=config)  # noqa: E731
-    assert "probjax_attention_triton_fwd_lean" in str(jax.make_jaxpr(attend)(q, k, v))
-
-
-def test_lean_plan_and_refusals(getkey):
-    lean = triton_attention._Lean(programs=7, units=4, kv_tiles=10, heads=2, q_tiles=1,
-                                  block_q=16)  # fmt: skip
-    starts = [lean.start(p) for p in range(8)]
-    assert starts == [0, 5, 11, 17, 22, 28, 34, 40]  # runs of 5 or 6 of the 40 tiles
-    # Unit u's tiles 10u .. 10u + 9 run on programs first(u) .. first(u) + count(u) - 1.
-    for u in range(4):
-        owners = {lean.program_of(t) for t in range(10 * u, 10 * u + 10)}
-        assert owners == set(range(lean.first(u), lean.first(u) + lean.count(u)))
-        assert all(starts[p] <= t < starts[p + 1] for t in range(40) for p in [lean.program_of(t)])
-    assert lean.slots == 3 and lean.coordinates(lean.unit(1, 1, 0)) == (0, 1, 1)
-    q, k, v = make_qkv(getkey(), q_len=3, kv_len=40)
-    config = dataclasses.replace(CFG, lean_programs=4)
-    with pytest.raises(UnsupportedError, match="lean_programs: .* unmasked calls only"):
-        run_triton(q, k, v, masks.KVLengths(jnp.array([40, 9])), config=config)
-    with pytest.raises(ValueError, match="lean_programs=-1 must be >= 0"):
-        TritonAttentionConfig(lean_programs=-1)
-
-
 @pytest.mark.parametrize("q_heads", [4, 6], ids=["groups_2", "groups_3"])
 def test_group_dkv(getkey, q_heads):
     """dK/dV summed over a GQA group inside one program per KV head: per-head score mods

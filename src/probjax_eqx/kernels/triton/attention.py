@@ -26,7 +26,6 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -80,13 +79,6 @@ class TritonAttentionConfig:
             2.00 / 2.00.
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
-        lean_programs: > 0 runs the forward of an unmasked call without score mods on
-            this many programs (stream-K, as in Lean Attention): the key tiles of every
-            (batch, head, query tile) laid end to end and cut into equal runs, a run
-            crossing from one head's keys into the next, each head's partials merged
-            by log-sum-exp. One wave of programs all equally busy, where `num_splits`
-            (ignored here) leaves a part-empty last wave when the SMs are not a
-            multiple of the heads. 0 (default): off, not yet timed.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
@@ -105,15 +97,12 @@ class TritonAttentionConfig:
     num_splits_dq: int = 1
     group_dkv: bool = False
     pack_gqa: bool = False
-    lean_programs: int = 0
     interpret: bool = False
 
     def __post_init__(self):
         for field in ("num_splits", "num_splits_dq"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-        if self.lean_programs < 0:
-            raise ValueError(f"lean_programs={self.lean_programs} must be >= 0 (0: off)")
         for field in (
             "block_q",
             "block_k",
@@ -303,7 +292,12 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # 16 splits 0.181 ms, 33 splits 0.185; run 83, batch 8: 2 splits 1.360, 4 splits 1.374).
 # The H200's faster memory wants more loads in flight: two per SM (run 107, batch 8:
 # 4 splits 0.969 ms, 2 splits 0.996; batch 1: 0.136 either way). `by_kind`: changes for
-# devices whose name holds the key.
+# devices whose name holds the key. Stream-K (Lean Attention: the key tiles of every head
+# laid end to end over one wave of equally busy programs, runs crossing heads) was tried
+# against that part-empty last wave and removed: H100 run 116, Lq 1, fwd ms (splits /
+# 132 programs / 264 / torch SDPA cuDNN): batch 1 GQA 131k keys 0.189 / 0.194 / 0.192 /
+# 0.182, MHA 32k 0.184 / 0.257 / 0.200 / 0.178, batch 8 MHA 131k 5.716 / 5.820 / 5.762 /
+# 5.633; ahead only at batch 1 MHA 8192 (0.097 / 0.107 / 0.087 / 0.096).
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
                   min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
@@ -568,25 +562,21 @@ def _split_share(ranges, split, splits: int):
     return tuple(jnp.clip(r, first, first + per) for r in ranges)
 
 
-def _kv_loader(st: _Static, ref, batch=None, head=None):
-    """`load(start, masked)`: a key tile of `ref`, `[keys, dim]`, from key `start`.
+def _kv_loader(st: _Static, ref):
+    """`load(start, masked)`: the key tile of the block `ref`, `[keys, dim]`, from `start`.
 
-    `ref` is a block `[keys, dim]`, or with `batch` and `head` the whole `[batch, keys,
-    heads, dim]` array. Reading the caller's K / V (`st.rows`), the last key tile may run
-    past them: its loads are masked.
+    Reading the caller's K / V (`st.rows`), the last key tile may run past them: its
+    loads are masked.
     """
     bk = st.config.block_k
     ragged_tail = st.rows is not None and st.call.kv_len % bk != 0
 
-    def index(start):
-        keys = pl.ds(start, bk)
-        return (keys, slice(None)) if batch is None else (batch, keys, head, slice(None))
-
     def load(start, masked):
+        keys = pl.ds(start, bk)
         if not (masked and ragged_tail):
-            return ref[index(start)]
+            return ref[keys, :]
         keep = (start + jnp.arange(bk, dtype=jnp.int32) < st.call.kv_len)[:, None]
-        return plt.load(ref.at[index(start)], mask=keep, other=jnp.zeros((), ref.dtype))
+        return plt.load(ref.at[keys, :], mask=keep, other=jnp.zeros((), ref.dtype))
 
     return load
 
@@ -665,122 +655,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     else:
         o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lean:
-    """The stream-K forward's shares of work (`lean_programs`).
-
-    The `kv_tiles` key tiles of each of `units` (batch, head, query tile) units, laid end
-    to end, cut into `programs` runs of equal length: program `p` runs tiles
-    `[start(p), start(p + 1))`. A unit's partial outputs sit in slots `0 .. count(u) -
-    1`, slot `p - first(u)` for program `p`.
-    """
-
-    programs: int
-    units: int
-    kv_tiles: int
-    heads: int
-    q_tiles: int
-    block_q: int
-
-    @property
-    def work(self) -> int:
-        return self.units * self.kv_tiles
-
-    def start(self, p):
-        return p * self.work // self.programs
-
-    def program_of(self, t):  # the program running tile t: the last p with start(p) <= t
-        return ((t + 1) * self.programs - 1) // self.work
-
-    def first(self, u):
-        return self.program_of(u * self.kv_tiles)
-
-    def count(self, u):
-        return self.program_of((u + 1) * self.kv_tiles - 1) - self.first(u) + 1
-
-    @property
-    def slots(self) -> int:
-        return int(np.max(self.count(np.arange(self.units, dtype=np.int64))))
-
-    def unit(self, b, h, tile):
-        return (b * self.heads + h) * self.q_tiles + tile
-
-    def coordinates(self, u):
-        """`(tile, head, batch)` of unit `u` (`unit`'s inverse)."""
-        return u % self.q_tiles, (u // self.q_tiles) % self.heads, u // (self.q_tiles * self.heads)
-
-
-def _lean_refusal(call: AttentionCall) -> str | None:
-    if call.mask_terms or call.score_mod is not None:
-        return (
-            "lean_programs: a program's run of key tiles crosses from head to head with "
-            "no mask or score mod to evaluate: unmasked calls only (num_splits takes masks)"
-        )
-    return None
-
-
-def _lean_plan(st: _Static) -> _Lean:
-    cfg = st.config
-    q_tiles, kv_tiles = st.q_pad // cfg.block_q, -(-st.call.kv_len // cfg.block_k)
-    units = st.call.batch * st.call.q_heads * q_tiles
-    plan = _Lean(min(cfg.lean_programs, units * kv_tiles), units, kv_tiles,
-                 st.call.q_heads, q_tiles, cfg.block_q)  # fmt: skip
-    if plan.work * (plan.programs + 1) >= 2**31:
-        raise UnsupportedError(
-            "triton", f"lean_programs: {plan.work} key tiles x {plan.programs} programs "
-            "overflow the kernel's int32 tile arithmetic; use num_splits"
-        )  # fmt: skip
-    return plan
-
-
-def _lean_fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static, build, lean: _Lean):
-    """Program `p`'s run of key tiles (`_Lean`), one (batch, head, query tile) at a time."""
-    p = pl.program_id(0)
-    end = lean.start(p + 1)
-    bq, bk, kv_tiles = st.config.block_q, st.config.block_k, lean.kv_tiles
-    full_tiles = st.call.kv_len // bk  # tiles before it hold no key past the end
-    rows = st.forward_rows
-
-    def unit_run(cursor):
-        u = cursor // kv_tiles
-        lo, hi = cursor - u * kv_tiles, jnp.minimum(end - u * kv_tiles, kv_tiles)
-        i, h, b = lean.coordinates(u)
-        positions = pl.ds(i * rows.positions, rows.positions)
-        at = (b, positions, h) + (slice(None),) * (1 + (rows.pack > 1))
-        q = rows.load(q_ref, i, at)
-        q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-        kv_head = h // st.call.groups
-        loads = _kv_loader(st, k_ref, b, kv_head), _kv_loader(st, v_ref, b, kv_head)
-        full_hi = jnp.clip(full_tiles, lo, hi)
-        ranges = (lo, lo, full_hi, hi)
-        acc, m, denom = _attend_tiles(st, build, (), q, loads, o_ref.shape[-1], q_idx, b, h, ranges)
-        o, lse = _normalised(acc, m, denom, empty_lse=-jnp.inf)
-        slot = p - lean.first(u)
-        o_ref[slot, b, pl.ds(i * bq, bq), h, :] = o
-        lse_ref[slot, b, h, pl.ds(i * bq, bq)] = lse
-        return (u + 1) * kv_tiles
-
-    jax.lax.while_loop(lambda cursor: cursor < end, unit_run, lean.start(p))
-
-
-def _lean_forward(st: _Static, build, q, k, v):
-    """`_forward` by `lean_programs` programs (`_Lean`), then `merge_splits`."""
-    cfg, lean = st.config, _lean_plan(st)
-    batch, heads, dv = q.shape[0], st.call.q_heads, v.shape[-1]
-    o, lse = pl.pallas_call(
-        functools.partial(_lean_fwd_kernel, st=st, build=build, lean=lean),
-        grid=(lean.programs,),
-        out_shape=[
-            jax.ShapeDtypeStruct((lean.slots, batch, st.q_pad, heads, dv), jnp.float32),
-            jax.ShapeDtypeStruct((lean.slots, batch, heads, st.q_pad), jnp.float32),
-        ],
-        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=cfg.interpret,
-        name="probjax_attention_triton_fwd_lean",
-    )(st.forward_rows.view(q), k, v)
-    return merge_splits(o, lse, q.dtype, cfg, rows=st.rows, lean=lean)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
@@ -930,8 +804,6 @@ def _range_specs(tile_of=_same):
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     """`(o, lse)`: `o` in the caller's shape when `st.rows` (direct), else padded."""
     cfg, groups = st.config, st.call.groups
-    if cfg.lean_programs:  # unmasked, no score mod (`_lean_refusal`)
-        return _lean_forward(st, build, q, k, v)
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
     grid = (tiles * n, heads, batch)
@@ -993,7 +865,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns, lean):
+def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns):
     """One block of `merge_splits`: every split of `rows.block` rows x some columns at once.
 
     The splits are a block axis (padded to a power of two, masked): one load each of the
@@ -1001,9 +873,6 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns
     splits would wait on one load after another.
     """
     tile = pl.program_id(0) // columns
-    if lean is not None:  # this unit's slots (`_Lean`)
-        h, b = pl.program_id(1), pl.program_id(2)
-        splits = lean.count(lean.unit(b, h, tile * rows.block // lean.block_q))
     keep = jnp.arange(lse_ref.shape[0], dtype=jnp.int32) < splits
     lse = plt.load(lse_ref, mask=keep[:, None], other=jnp.float32(-jnp.inf))  # [S, rows]
     m = jnp.max(lse, axis=0)
@@ -1024,20 +893,11 @@ _MERGE_ROWS = 16
 _MERGE_BYTES = 32 * 1024  # float32 partials one merge program holds at once
 
 
-def merge_splits(
-    o,
-    lse,
-    dtype,
-    config: TritonAttentionConfig,
-    *,
-    rows: "_Rows | None" = None,
-    lean: _Lean | None = None,
-):
+def merge_splits(o, lse, dtype, config: TritonAttentionConfig, *, rows: "_Rows | None" = None):
     """Exact merge of per-split partials by their log-sum-exp, in one small kernel.
 
     `o` is `[splits, b, q, h, dv]`, each split normalised over its keys; `lse` is base 2,
-    `[splits, b, h, q]`, -inf where a split saw no key; with `lean`, unit `u`'s first
-    `lean.count(u)` slots hold its partials (`_Lean`). Returns `o` in `dtype` and `lse`
+    `[splits, b, h, q]`, -inf where a split saw no key. Returns `o` in `dtype` and `lse`
     `[b, h, q]` (+inf on rows no split saw a key of); `o` is `[b, q, h, dv]`, or with
     `rows` the caller's output (`_Rows`). One kernel instead of XLA's reductions and
     transposes (at decode sizes each launch costs more than the data it moves), its
@@ -1059,7 +919,7 @@ def merge_splits(
         return t % columns
 
     out, out_lse = pl.pallas_call(
-        functools.partial(_merge_kernel, rows=rows, splits=splits, columns=columns, lean=lean),
+        functools.partial(_merge_kernel, rows=rows, splits=splits, columns=columns),
         grid=(q_pad // block * columns, heads, batch),
         in_specs=[
             pl.BlockSpec(
@@ -1321,8 +1181,6 @@ class TritonAttention:
         )
         if why is None and config is not None and config.backward_pass_impl == "triton_fused":
             why = _fused_refusal(call, device, config)
-        if why is None and config is not None and config.lean_programs:
-            why = _lean_refusal(call)
         return why if why is not None else self.capabilities.check(call, device)
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> TritonAttentionConfig:
