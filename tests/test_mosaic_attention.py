@@ -117,6 +117,17 @@ def test_overlapped_softmax_forward(getkey, q_len, kv_len, mask):
     check(q, k, v, ct, mask, config)
 
 
+def test_one_slot_rings(getkey):
+    """num_stages=1: the one-warpgroup dK/dV and dQ programs load each step once the last
+    one's products are done (prefetching into the one slot raced, and crashed the H100 in
+    run 117); the forward's overlapped steps share the slot's K and V barriers."""
+    q, k, v = make_qkv(getkey(), batch=1, q_len=130, kv_len=200, q_heads=2, kv_heads=1,
+                       qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), (1, 130, 2, 16))
+    config = dataclasses.replace(CFG, num_stages=1, overlap_softmax=True)
+    check(q, k, v, ct, masks.Causal(), config)
+
+
 @pytest.mark.parametrize(
     "qk_dim, num_stages, lengths",
     [

@@ -120,11 +120,14 @@ def swizzled(shape, dtype):
     )
 
 
-def prefetching_loop(count, issue, wait):
+def prefetching_loop(count, issue, wait, stages: int = 2):
     """Issue step 0's copies now; `prefetch(n)` issues step n + 1's, then waits for step n.
 
     `issue(n)` starts step n's TMA copies into slot `n % stages`; `wait(n)` waits on them.
-    A step's slot is reused two steps later, after that step's wgmma has completed.
+    A step's slot is reused two steps later, after that step's wgmma has completed. With
+    one slot nothing is prefetched: `prefetch(n)` issues step n's own copies once step n
+    - 1's wgmma has completed, then waits for them (step n + 1's copies would overwrite
+    the slot step n reads).
     """
 
     @pl.when(count > 0)
@@ -132,9 +135,17 @@ def prefetching_loop(count, issue, wait):
         issue(0)
 
     def prefetch(n):
-        @pl.when(n + 1 < count)
-        def _():
-            issue(n + 1)
+        if stages == 1:
+
+            @pl.when(n > 0)
+            def _():
+                issue(n)
+
+        else:
+
+            @pl.when(n + 1 < count)
+            def _():
+                issue(n + 1)
 
         wait(n)
 

@@ -1267,6 +1267,7 @@ def _backward_program(
             steps,
             lambda n: ring.issue(views_at(n), lax.rem(n, stages)),
             lambda n: ring.wait(lax.rem(n, stages)),
+            stages,
         )
         compute(loop_with(lambda n, slot: prefetch(n), lambda slot: None), None)
         return

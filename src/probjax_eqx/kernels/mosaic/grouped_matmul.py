@@ -123,7 +123,7 @@ def _pipelined_matmul(steps, views, a_smem, b_smem, bars, stages, shape):
         plgpu.barrier_wait(bars.at[slot])
         plgpu.barrier_wait(bars.at[stages + slot])
 
-    prefetch = prefetching_loop(steps, issue, wait)
+    prefetch = prefetching_loop(steps, issue, wait, stages)
 
     def accumulate(acc):
         def body(n, carry):
