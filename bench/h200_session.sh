@@ -14,7 +14,9 @@
 # run 99 ran 44 but its decode step, cut at its limit before a row; runs 100-105 ran
 # 45-50, run 106 (an H200) 51; run 107 (H200) swept the split-KV tiles and fill;
 # runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended;
-# runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead); run 116 ran 58.
+# runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead); run 116 ran 58;
+# run 117 ran 61 (its one-stage route crashed the GPU, mended since), run 118 its other
+# shapes without that route.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings

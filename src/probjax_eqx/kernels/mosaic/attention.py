@@ -456,7 +456,9 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
 # Its dK/dV programs then take 64 keys on one warpgroup (`block_k_dkv`): two query tiles
 # a program leave little work to hide the K/V loads behind, and half the shared memory
 # lets two programs share an SM. H100 run 116, batch 8 over 8192 keys: the dK/dV kernel
-# 1.024 ms of 1.750 (trace), fwd+bwd 1.865 -> 1.731 ms (torch SDPA cuDNN 1.581).
+# 1.024 ms of 1.750 (trace), fwd+bwd 1.865 -> 1.731 ms (torch SDPA cuDNN 1.581); runs
+# 117-118, 128 / 64 keys a program (torch): batch 4 0.929 / 0.863, batch 16 3.628 / 3.399
+# (3.084), batch 8 over 32768 keys 7.302 / 6.813 (5.594), 96 queries 1.852 / 1.732 (1.534).
 OWN_DQ_KERNEL_MIN_WAVES = 0.5
 OWN_DQ_KERNEL_MIN_KV_LEN = 8192  # as timed
 OWN_DQ_KERNEL_HEAD_DIM = 128  # as timed
