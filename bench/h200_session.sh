@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 62, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -61,7 +61,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 61}" in
+case "${1:?stage 1 to 62}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -695,6 +695,16 @@ case "${1:?stage 1 to 61}" in
       --routes "probjax mosaic" "probjax mosaic+set:block_k_dkv=128" \
         "probjax mosaic+set:num_stages=1" \
       --shape 4,128,8192,32,32 16,128,8192,32,32 8,128,32768,32,32 8,96,8192,32,32
+    ;;
+  62)
+    # One-slot rings (num_stages=1) after the race mended since run 117's crash: their GPU
+    # test, then the own-dQ shapes beside the default's two slots (less shared memory a
+    # program: more programs an SM?).
+    gpu_tests 100 -k "one_slot_rings"
+    step 200 probe_one_slot python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_one_slot.json" --causal 0 --calls 1 \
+      --routes "probjax mosaic" "probjax mosaic+set:num_stages=1" \
+      --shape 8,128,8192,32,32 16,128,8192,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

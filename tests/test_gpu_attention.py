@@ -93,6 +93,28 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     )
 
 
+@pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["none", "causal"])
+def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
+    """num_stages=1 under the GPU's defaults: 64-key dK/dV programs and the one-warpgroup
+    dQ kernel loading each step after the last one's products (run 117 crashed when they
+    prefetched into the one slot), the forward's register mode and ping-pong turns."""
+    dev = jax.devices()[0]
+    if getattr(dev, "compute_capability", None) != "9.0":
+        pytest.skip("not an sm_90 device")
+    q, k, v = make_qkv(getkey(), batch=2, q_len=320, kv_len=1000, q_heads=4, kv_heads=4,
+                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    config = explain_attention(q, k, v, mask=mask, implementation="mosaic").config
+    config = dataclasses.replace(config, num_stages=1, block_k_dkv=64, block_q_dq=64,
+                                 fused_dq=False)  # fmt: skip
+    ct = jax.random.normal(getkey(), q.shape)
+    check_against_oracle(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, mask=mask, implementation="mosaic", config=config
+        ),
+        q, k, v, ct, mask=mask, jit=True,
+    )  # fmt: skip
+
+
 @pytest.mark.float32_matmul
 def test_xla_float32_is_exact_on_gpu(getkey):
     q, k, v = make_qkv(getkey(), q_len=64, kv_len=80)
