@@ -120,7 +120,7 @@ def swizzled(shape, dtype):
     )
 
 
-def prefetching_loop(count, issue, wait, stages: int = 2):
+def prefetching_loop(count, issue, wait, stages: int):
     """Issue step 0's copies now; `prefetch(n)` issues step n + 1's, then waits for step n.
 
     `issue(n)` starts step n's TMA copies into slot `n % stages`; `wait(n)` waits on them.
