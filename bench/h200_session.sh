@@ -54,6 +54,14 @@ sweep_set_bwd() {
     --implementation triton --seq 1024 --kv-seq "$keys" --batch 64 --heads 4 \
     --head-dim $dims --causal 0 --part bwd --config "$@"
 }
+# Gradient-checked rows: T 4096 / 16384 (hd 64/128, causal and not), our default beside
+# both cuDNN routes, then decode's training rows: gradient_rows LONG_SECONDS DECODE_SECONDS
+gradient_rows() {
+  suite "$1" grads_long --suite attention --seq 4096 16384 --set head_dim=64,128 \
+    dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+  suite "$2" grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
+    --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+}
 fused='"backward_pass_impl": "triton_fused"'
 one_key_tile=("{\"block_k_dkv\": 128, $fused}" "{\"block_k_dkv\": 128, \"num_warps_bwd\": 8, $fused}")
 attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDNN routes
@@ -503,10 +511,7 @@ case "${1:?stage 1 to 62}" in
   45)
     # The gradient checks at T 4096 / 16384 (hd 64/128, causal and not) for our default
     # and every peer that ran there, then decode's training rows (run 99 cut them).
-    suite 330 grads_long --suite attention --seq 4096 16384 --set head_dim=64,128 \
-      dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
-    suite 150 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
-      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+    gradient_rows 330 150
     ;;
   46)
     # Which cuDNN kernels each route runs where torch's cuDNN leads by more than a
@@ -670,10 +675,7 @@ case "${1:?stage 1 to 62}" in
   59)
     # The H200's rows with gradients checked (issue 9: its rows predate the checks):
     # our default beside both cuDNN routes at T 4096 / 16384, then decode training.
-    suite 400 grads_long --suite attention --seq 4096 16384 --set head_dim=64,128 \
-      dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
-    suite 170 grads_decode --suite decode --set q_len=128 kv_len=8192 ragged=false \
-      --only "probjax auto" "torch sdpa flash" "torch sdpa cudnn"
+    gradient_rows 400 170
     ;;
   60)
     # The H200's decoding rows with today's split plans (its Lq <= 16 rows are from run
