@@ -22,7 +22,7 @@ log-sum-exp is stored as +inf, so the backward sees p = 0).
 import dataclasses
 import functools
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -408,11 +408,6 @@ class _Static:
         return MaskContext(self.call.batch, self.call.q_len, self.call.kv_len)
 
     @property
-    def forward_rows(self) -> "_Rows":
-        """The forward's query rows: the caller's (`rows`), else the padded operand's."""
-        return self.rows or _Rows(self.config.block_q, self.q_pad, 1)
-
-    @property
     def one_key_tile(self) -> bool:
         return one_key_tile(self.call, self.config)
 
@@ -478,16 +473,9 @@ class _Rows:
         pos = tile * self.positions + jnp.arange(self.positions, dtype=jnp.int32)
         return (pos < self.q_len).reshape((self.positions,) + (1,) * (1 + (self.pack > 1)))
 
-    def load(self, ref, tile, at: Any = ...):
-        """Tile `tile`'s rows of the block `ref`, or of `ref[at]`.
-
-        `at` indexes the whole array in one indexer: Triton lowers no nested ones.
-        """
+    def load(self, ref, tile):
         mask = self._mask(tile)
-        if mask is None:
-            x = ref[at]
-        else:
-            x = plt.load(ref.at[at], mask=mask, other=jnp.zeros((), ref.dtype))
+        x = ref[...] if mask is None else plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
         return x.reshape(self.block, x.shape[-1])
 
     def store(self, ref, x, tile):
@@ -562,39 +550,38 @@ def _split_share(ranges, split, splits: int):
     return tuple(jnp.clip(r, first, first + per) for r in ranges)
 
 
-def _kv_loader(st: _Static, ref):
-    """`load(start, masked)`: the key tile of the block `ref`, `[keys, dim]`, from `start`.
-
-    Reading the caller's K / V (`st.rows`), the last key tile may run past them: its
-    loads are masked.
-    """
-    bk = st.config.block_k
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
+    n_ops = len(st.kinds)
+    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
+    op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
+    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    splits = st.config.num_splits
+    bq, bk = st.config.block_q, st.config.block_k
+    i = _flash.last_first(t // splits, st.q_pad // bq)
+    q = q_ref[...] if st.rows is None else st.rows.load(q_ref, i)
+    # Reading the caller's K / V: the last key tile may run past them (masked loads).
     ragged_tail = st.rows is not None and st.call.kv_len % bk != 0
 
-    def load(start, masked):
-        keys = pl.ds(start, bk)
+    def kv_tile(ref, start, masked):
         if not (masked and ragged_tail):
-            return ref[keys, :]
+            return ref[pl.ds(start, bk), :]
         keep = (start + jnp.arange(bk, dtype=jnp.int32) < st.call.kv_len)[:, None]
-        return plt.load(ref.at[keys, :], mask=keep, other=jnp.zeros((), ref.dtype))
+        return plt.load(ref.at[pl.ds(start, bk), :], mask=keep, other=jnp.zeros((), ref.dtype))
 
-    return load
-
-
-def _attend_tiles(st: _Static, build, op_refs, q, loads, dv: int, q_idx, b, h, ranges):
-    """`(acc, m, denom)`: the online softmax of `q`'s rows over the key tiles `ranges`.
-
-    `loads`: the K and V tile loaders (`_kv_loader`); `dv`: V's columns.
-    """
-    load_k, load_v = loads
-    bq, bk = q.shape[0], st.config.block_k
+    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    if st.unmasked:
+        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
+    else:
+        ranges = tuple(ref[()] for ref in range_refs)
+    ranges = _split_share(ranges, t % splits, splits)
 
     def body(j, carry, masked):
         acc, m, denom = carry
         start = pl.multiple_of(j * bk, bk)
-        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=pl.ds(start, bk)))
+        tile = pl.ds(start, bk)
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
         kv_idx = start + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        s = plt.dot(q, load_k(start, masked), trans_b=True)
+        s = plt.dot(q, kv_tile(k_ref, start, masked), trans_b=True)
         if mod is None:
             # Scale after the row max and inside `s * c - m` (one FMA an element): the
             # softmax's ALU work competes with the MMAs in this kernel.
@@ -610,51 +597,24 @@ def _attend_tiles(st: _Static, build, op_refs, q, loads, dv: int, q_idx, b, h, r
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s * c - m_safe[:, None])
-        v = load_v(start, masked)
+        v = kv_tile(v_ref, start, masked)
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
         return acc, m_new, denom * alpha + jnp.sum(p, axis=1)
 
     init = (
-        jnp.zeros((bq, dv), jnp.float32),
+        jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    return _flash.tile_loop(ranges, body, init)
-
-
-def _normalised(acc, m, denom, *, empty_lse):
-    """The tile's output and base-2 log-sum-exp; rows without a key get `empty_lse`."""
+    acc, m, denom = _flash.tile_loop(ranges, body, init)
     empty = denom == 0.0
     safe = jnp.where(empty, 1.0, denom)
-    return acc / safe[:, None], jnp.where(empty, empty_lse, m + jnp.log2(safe))
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
-    n_ops = len(st.kinds)
-    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
-    op_refs, (o_ref, lse_ref) = refs[:n_ops], refs[n_ops:]
-    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    splits = st.config.num_splits
-    bq, bk = st.config.block_q, st.config.block_k
-    i = _flash.last_first(t // splits, st.q_pad // bq)
-    q = q_ref[...] if st.rows is None else st.rows.load(q_ref, i)
-    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    if st.unmasked:
-        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
-    else:
-        ranges = tuple(ref[()] for ref in range_refs)
-    ranges = _split_share(ranges, t % splits, splits)
-    loads = _kv_loader(st, k_ref), _kv_loader(st, v_ref)
-    acc, m, denom = _attend_tiles(
-        st, build, op_refs, q, loads, o_ref.shape[-1], q_idx, b, h, ranges
-    )
-    # An empty row: +inf makes the backward's p = 0; an empty split weighs 0 in the merge.
-    o, lse = _normalised(acc, m, denom, empty_lse=-jnp.inf if splits > 1 else jnp.inf)
     if st.rows is not None and splits == 1:
-        st.rows.store(o_ref, o, i)
+        st.rows.store(o_ref, acc / safe[:, None], i)
     else:
-        o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
+        o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    # An empty row: +inf makes the backward's p = 0; an empty split weighs 0 in the merge.
+    lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
@@ -807,7 +767,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
     grid = (tiles * n, heads, batch)
-    rows = st.forward_rows
+    rows = st.rows or _Rows(cfg.block_q, st.q_pad, 1)
     o_shape = (*q.shape[:-1], dv) if st.rows else (batch, st.q_pad, heads, dv)
 
     def tile_of(t):  # grid row t: split t % n of query tile tile_of(t)
@@ -872,7 +832,6 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns
     log-sum-exps and the partial outputs, all in flight together, where a loop over the
     splits would wait on one load after another.
     """
-    tile = pl.program_id(0) // columns
     keep = jnp.arange(lse_ref.shape[0], dtype=jnp.int32) < splits
     lse = plt.load(lse_ref, mask=keep[:, None], other=jnp.float32(-jnp.inf))  # [S, rows]
     m = jnp.max(lse, axis=0)
@@ -883,6 +842,7 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns
     acc = jnp.sum(o * weight[:, :, None], axis=0)
     empty = total == 0.0
     safe = jnp.where(empty, 1.0, total)
+    tile = pl.program_id(0) // columns
     rows.store(out_ref, acc / safe[:, None], tile)
     out_lse_ref[...] = jnp.where(
         empty, jnp.inf, m + jnp.log2(safe)
