@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 62, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 62, 63, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -69,7 +69,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 62}" in
+case "${1:?stage 1 to 63}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -707,6 +707,19 @@ case "${1:?stage 1 to 62}" in
       --out "$out/probe_one_slot.json" --causal 0 --calls 1 \
       --routes "probjax mosaic" "probjax mosaic+set:num_stages=1" \
       --shape 8,128,8192,32,32 16,128,8192,32,32
+    ;;
+  63)
+    # Decoding one query over 8192 keys, batch 8, 32 heads over 8: 0.110 ms vs torch SDPA
+    # cuDNN 0.096 (run 116). Where the time goes (kernels, merge, gaps) for ours and
+    # torch's, and whether more splits (programs an SM) close it.
+    step 120 trace_decode python3 -m bench.trace_program --part fwd --launches 5 \
+      --routes "probjax auto" "torch sdpa cudnn" "torch sdpa flash" \
+      --shape 8,1,8192,32,8 1,1,131072,32,8 8,1,131072,32,32
+    step 150 probe_decode_splits python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_decode_splits.json" --causal 0 --calls 1 --forward-only \
+      --routes "probjax triton" "probjax triton+set:num_splits=4" \
+        "probjax triton+set:num_splits=8" "probjax triton+set:num_splits=4,num_stages=4" \
+      --shape 8,1,8192,32,8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

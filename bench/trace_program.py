@@ -1,5 +1,6 @@
 """Everything a compiled attention program puts on the device, from JAX's own profiler:
 `python -m bench.trace_program --shape B,LQ,LKV,HQ,HKV [...] [--routes NAME ...]`.
+Torch peers' routes (`torch ...`) list their CUDA kernels from torch.profiler.
 
 ncu times kernels only; this lists every device event of the program's last launch
 (kernels, memsets, copies) with its duration and the idle gap before it, read from the
@@ -15,8 +16,8 @@ import tempfile
 
 import jax
 
-from bench.attention_suite import _jax_impls
-from bench.harness import attention_operands, fwd_bwd_program, parse_shape
+from bench.attention_suite import _jax_impls, _torch_impls
+from bench.harness import attention_operands, fwd_bwd_program, parse_shape, torch_operands
 
 
 def device_events(trace_dir: pathlib.Path) -> list[tuple[str, float, float]]:
@@ -51,7 +52,10 @@ def main():
     impls = _jax_impls()
     for shape in args.shape:
         for route in args.routes:
-            _trace(impls[route], route, shape, args)
+            if route.startswith("torch "):
+                _trace_torch(_torch_impls()[route], route, shape, args)
+            else:
+                _trace(impls[route], route, shape, args)
 
 
 def _trace(impl, route: str, shape: str, args):
@@ -67,6 +71,40 @@ def _trace(impl, route: str, shape: str, args):
             for _ in range(args.launches):
                 jax.block_until_ready(compiled(*operands))
         events = _last_launch(device_events(pathlib.Path(tmp)), args.launches)
+    _print_events(route, shape, args, events)
+
+
+def _trace_torch(impl, route: str, shape: str, args):
+    """`_trace` for a torch peer: the CUDA kernels of its last launch, from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    qt, kt, vt, ctt = torch_operands(*attention_operands(parse_shape(shape), args.head_dim))
+
+    def launch():
+        if args.part == "fwd":
+            with torch.no_grad():
+                impl(qt, kt, vt, False)
+        else:
+            impl(qt, kt, vt, False).backward(ctt)
+        torch.cuda.synchronize()
+
+    launch()  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.launches):
+            launch()
+    events = sorted(
+        (
+            (e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ),
+        key=lambda e: e[1],
+    )
+    _print_events(route, shape, args, _last_launch(events, args.launches))
+
+
+def _print_events(route: str, shape: str, args, events):
     print(f"{route} {args.part} {shape} hd{args.head_dim}: {len(events)} events", flush=True)
     end = None
     for name, start, duration in events:
