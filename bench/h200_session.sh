@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 62, 63, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 64, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -16,7 +16,7 @@
 # runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended;
 # runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead); run 116 ran 58;
 # run 117 ran 61 (its one-stage route crashed the GPU, mended since), run 118 its other
-# shapes without that route.
+# shapes without that route; run 119 ran 62 and 63.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -69,7 +69,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 63}" in
+case "${1:?stage 1 to 64}" in
   1 | 23)
     # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
     # tests of both in 540 s.
@@ -720,6 +720,20 @@ case "${1:?stage 1 to 63}" in
       --routes "probjax triton" "probjax triton+set:num_splits=4" \
         "probjax triton+set:num_splits=8" "probjax triton+set:num_splits=4,num_stages=4" \
       --shape 8,1,8192,32,8
+    ;;
+  64)
+    # Run 119: at batch 8 over 8192 keys (GQA) our kernels took 89.2 us against cuDNN's
+    # 91.3 (the per-call gap is dispatch); cuDNN's one kernel for batch 8 MHA over 131k
+    # keys took 5434 us (3.16 TB/s). Our kernels there and at batch 1 GQA 131k (the JAX
+    # trace failed after torch's), then key steps, warps and ring depth at both.
+    step 90 trace_decode python3 -m bench.trace_program --part fwd --launches 3 \
+      --routes "probjax auto" --shape 1,1,131072,32,8 8,1,131072,32,32
+    step 240 probe_decode_tiles python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_decode_tiles.json" --causal 0 --calls 1 --forward-only \
+      --routes "probjax triton" "probjax triton+set:num_stages=4" \
+        "probjax triton+set:num_stages=5" "probjax triton+set:block_k=128" \
+        "probjax triton+set:block_k=128,num_warps=8" "probjax triton+set:block_k=128,num_stages=2" \
+      --shape 8,1,131072,32,32 1,1,131072,32,8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

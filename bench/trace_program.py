@@ -50,12 +50,15 @@ def main():
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()
     impls = _jax_impls()
-    for shape in args.shape:
-        for route in args.routes:
-            if route.startswith("torch "):
-                _trace_torch(_torch_impls()[route], route, shape, args)
-            else:
-                _trace(impls[route], route, shape, args)
+    # JAX's profiler first: once torch.profiler has subscribed to CUPTI, JAX's cannot
+    # (run 119: CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED, no events).
+    jax_routes = [r for r in args.routes if not r.startswith("torch ")]
+    for route in jax_routes:
+        for shape in args.shape:
+            _trace(impls[route], route, shape, args)
+    for route in [r for r in args.routes if r not in jax_routes]:
+        for shape in args.shape:
+            _trace_torch(_torch_impls()[route], route, shape, args)
 
 
 def _trace(impl, route: str, shape: str, args):
