@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 64, 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -16,7 +16,8 @@
 # runs 108-112 ran 52-56; run 113 reran 56's GPU tests, their expectation mended;
 # runs 114-115 ran 57 (its GQA hd 64 shape at MHA 4096 keys instead); run 116 ran 58;
 # run 117 ran 61 (its one-stage route crashed the GPU, mended since), run 118 its other
-# shapes without that route; run 119 ran 62 and 63.
+# shapes without that route; run 119 ran 62 and 63, run 120 64;
+# run 121 ran 1, cut at 92 of 111 tests (since split into 1 and 65).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -69,15 +70,18 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 64}" in
-  1 | 23)
-    # The whole GPU test suite, attention's tests (1) and the rest (23): run 56 ran 100
-    # tests of both in 540 s.
-    files=tests/test_gpu_attention.py
-    [ "$1" = 23 ] && files="tests/test_gpu_moe.py tests/test_gpu_parallel.py tests/test_gpu_ssm.py"
-    step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES="$files" bash -c 'mkdir -p $OUT; \
-      LIMIT=540 bash bench/gpu_tests.sh --durations=15; cat $OUT/gpu_tests_by_name.txt; \
-      cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
+case "${1:?stage 1 to 65}" in
+  1 | 23 | 65)
+    # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
+    # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
+    # 540 s.
+    files=tests/test_gpu_attention.py select="not schedules_and_two_warpgroup"
+    [ "$1" = 65 ] && select="schedules_and_two_warpgroup"
+    [ "$1" = 23 ] && files="tests/test_gpu_moe.py tests/test_gpu_parallel.py tests/test_gpu_ssm.py" \
+      select=""
+    step 560 gpu_tests env OUT=/tmp/tests WORKERS=8 FILES="$files" SELECT="$select" \
+      bash -c 'mkdir -p $OUT; LIMIT=540 bash bench/gpu_tests.sh --durations=15 -k "$SELECT"; \
+      cat $OUT/gpu_tests_by_name.txt; cat $OUT/failures.txt 2>/dev/null; tail -25 $OUT/gpu_tests.txt'
     ;;
   2)
     # Where the MoE layer's 7.3 ms forward at 131k tokens goes (run 19), then every
