@@ -58,7 +58,7 @@ def _attend(impl: str, causal: bool):
     return attend
 
 
-def _launch_torch(q, k, v, ct, causal, launches):
+def _launch_torch(q, k, v, ct, causal, launches, forward_only=False):
     """Torch SDPA pinned to cuDNN on the same operands, `launches` times fwd and fwd+bwd:
     which cuDNN kernels torch's graphs select, for ncu to time beside JAX's."""
     torch, SDPBackend, sdpa_kernel, *_ = torch_attention()
@@ -66,11 +66,13 @@ def _launch_torch(q, k, v, ct, causal, launches):
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention,
                              is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        print(f"torch-cudnn fwd+bwd {tuple(q.shape)} causal={causal}", flush=True)
+        part = "fwd" if forward_only else "fwd+bwd"
+        print(f"torch-cudnn {part} {tuple(q.shape)} causal={causal}", flush=True)
         for _ in range(launches):
             with torch.no_grad():
                 sdpa(qt, kt, vt)
-            sdpa(qt, kt, vt).backward(ctt)
+            if not forward_only:
+                sdpa(qt, kt, vt).backward(ctt)
         torch.cuda.synchronize()
 
 
@@ -82,19 +84,19 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--shape", metavar="B,LQ,LKV,HQ,HKV", help="not B4, --seq, H8")
     parser.add_argument("--launch", type=int, default=0, help="runs of each program")
+    parser.add_argument("--forward-only", action="store_true", help="no fwd+bwd (decoding)")
     args = parser.parse_args()
     sizes = parse_shape(args.shape) if args.shape else (4, args.seq, args.seq, 8, 8)
     q, k, v, ct = attention_operands(sizes, args.head_dim)
     shape, kv_shape = q.shape, k.shape
     for impl in args.impls:
         if impl == "torch-cudnn":
-            _launch_torch(q, k, v, ct, args.causal, args.launch)
+            _launch_torch(q, k, v, ct, args.causal, args.launch, args.forward_only)
             continue
         f = _attend(impl, args.causal)
-        programs = {
-            "fwd": (jax.jit(f), (q, k, v)),
-            "fwd+bwd": (fwd_bwd_program(f), (q, k, v, ct)),
-        }
+        programs = {"fwd": (jax.jit(f), (q, k, v))}
+        if not args.forward_only:
+            programs["fwd+bwd"] = (fwd_bwd_program(f), (q, k, v, ct))
         for part, (fn, operands) in programs.items():
             print(f"{impl} {part} {shape} over {kv_shape} causal={args.causal}", flush=True)
             try:

@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 65, 66, 23, and 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -70,7 +70,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 65}" in
+case "${1:?stage 1 to 66}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -738,6 +738,15 @@ case "${1:?stage 1 to 65}" in
         "probjax triton+set:num_stages=5" "probjax triton+set:block_k=128" \
         "probjax triton+set:block_k=128,num_warps=8" "probjax triton+set:block_k=128,num_stages=2" \
       --shape 8,1,131072,32,32 1,1,131072,32,8
+    ;;
+  66)
+    # Batch 8 MHA over 131k keys, one query: our kernel 5562 us, cuDNN's 5434 (runs
+    # 119-120; no key step, warp count or ring depth of ours closed it). Their memory
+    # and warp-stall counters side by side.
+    step 200 ncu_decode_mha env NCU_LIMIT=180 \
+      NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
+      bash bench/ncu.sh "$out" decode_mha bench.attention_work triton torch-cudnn \
+      --shape 8,1,131072,32,32 --launch 1 --forward-only
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
