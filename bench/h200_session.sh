@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 65, 66, 23, and 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 67, 65, 66, 23, and 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -70,7 +70,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 66}" in
+case "${1:?stage 1 to 67}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -747,6 +747,20 @@ case "${1:?stage 1 to 66}" in
       NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
       bash bench/ncu.sh "$out" decode_mha bench.attention_work triton torch-cudnn \
       --shape 8,1,131072,32,32 --launch 1 --forward-only
+    ;;
+  67)
+    # sm_90's split plans now fill waves 95% (was 90%): 8 programs take 16 splits, not 15
+    # (12 of 132 SMs idle). Both in one run, with 33 and torch, then dQ's 16 splits beside
+    # 15 for 8 heads of 128 queries over 65,536 keys.
+    step 150 probe_split_fill python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_split_fill.json" --causal 0 --calls 1 --forward-only --rounds 2 \
+      --routes "probjax triton" "probjax triton+set:num_splits=15" \
+        "probjax triton+set:num_splits=33" \
+      --shape 1,1,131072,32,8 1,1,32768,32,8
+    step 120 probe_split_fill_dq python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_split_fill_dq.json" --causal 0 --calls 1 \
+      --routes "probjax triton" "probjax triton+set:num_splits_dq=15" \
+      --shape 1,128,65536,8,8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -394,19 +394,20 @@ def test_few_query_plan_splits_and_packs():
     assert cfg.pack_gqa and (cfg.block_q, cfg.block_k, cfg.num_stages) == (16, 64, 3)
     assert cfg.num_warps == 4
     # 8 programs (1 batch x 8 KV heads) of 100 KiB shared memory: two would fit an SM; on
-    # the H100 the forward fills one per SM, 132 at once: 15 splits fill 91% of one wave.
-    assert cfg.num_splits == 15
-    # The H200 fills two per SM (its faster memory wants more loads in flight): 30 splits.
-    assert triton_attention.default_config(decode, h200).num_splits == 30
-    # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 19 splits, 4.6 waves
+    # the H100 the forward fills one per SM, 132 at once: 16 splits fill 97% of one wave
+    # (15 would leave 12 SMs idle).
+    assert cfg.num_splits == 16
+    # The H200 fills two per SM (its faster memory wants more loads in flight): 32 splits.
+    assert triton_attention.default_config(decode, h200).num_splits == 32
+    # Per-batch KV lengths of 4 batch elements ask for >= 4 waves: 20 splits, 4.85 waves
     # (the H200: 33, 4 waves of 264).
     lengths = (("kv_lengths",),)
     ragged = dataclasses.replace(decode, batch=4, mask_terms=lengths)
-    assert triton_attention.default_config(ragged, h100).num_splits == 19
+    assert triton_attention.default_config(ragged, h100).num_splits == 20
     assert triton_attention.default_config(ragged, h200).num_splits == 33
     # One batch element's length leaves its programs equal: planned as without lengths.
     one = dataclasses.replace(decode, mask_terms=lengths)
-    assert triton_attention.default_config(one, h100).num_splits == 15
+    assert triton_attention.default_config(one, h100).num_splits == 16
     # 16 queries x 4 heads: 64-row tiles, whose float32 partials may cost 1/8 of the
     # 4 MiB of K/V a head reads: at most 8 splits over 8192 keys.
     rows = dataclasses.replace(decode, q_len=16, kv_len=8192)
@@ -417,22 +418,22 @@ def test_few_query_plan_splits_and_packs():
     assert triton_attention.default_config(batched, h100).num_splits == 2
     assert triton_attention.default_config(batched, h200).num_splits == 4
     rule = triton_attention.SPLIT_KV_RULES["sm_90"]
-    assert triton_attention.split_count(8, 2048, rule, per_sm=1) == 15
+    assert triton_attention.split_count(8, 2048, rule, per_sm=1) == 16
     assert triton_attention.split_count(8, 2048, rule, most=0) == 1  # partials cost too much
     assert triton_attention.split_count(64, 2048, rule) == 4  # 256 of 264: one wave
-    assert triton_attention.split_count(320, 2048, rule) == 3  # 1.21 waves -> 3.64
+    assert triton_attention.split_count(320, 2048, rule) == 4  # 1.21 waves -> 4.85
     assert triton_attention.split_count(8, 8, rule) == 2  # >= 4 key tiles a split
     assert triton_attention.split_count(600, 2048, rule) == 1
-    assert triton_attention.split_count(64, 2048, rule, ragged=True) == 19  # 4.6 waves, 92% full
+    assert triton_attention.split_count(64, 2048, rule, ragged=True) == 20  # 4.85 waves, 97% full
     train = AttentionCall(4, 4096, 4096, 8, 8, 128, 128, "bfloat16")
     cfg = triton_attention.default_config(train, h200)
     assert cfg.num_splits == cfg.num_splits_dq == 1 and not cfg.pack_gqa
     # The dQ kernel's plan, by the same rule over its own grid: 16 programs (8 heads x 2
-    # tiles of 64 queries) over 65,536 keys take 15 splits (the H100's best was 16, run
-    # 72); 512 programs (64 sets x 4 heads x 2 tiles) over 4096 keys none (run 71).
+    # tiles of 64 queries) over 65,536 keys take 16 splits (the H100's best, run 72);
+    # 512 programs (64 sets x 4 heads x 2 tiles) over 4096 keys none (run 71).
     cross = AttentionCall(1, 128, 65536, 8, 8, 128, 128, "bfloat16")
-    assert triton_attention.default_config(cross, h200).num_splits_dq == 15
-    assert triton_attention.default_config(cross, h100).num_splits_dq == 15
+    assert triton_attention.default_config(cross, h200).num_splits_dq == 16
+    assert triton_attention.default_config(cross, h100).num_splits_dq == 16
     sets = AttentionCall(64, 128, 4096, 4, 4, 32, 32, "bfloat16")
     assert triton_attention.default_config(sets, h200).num_splits_dq == 1
     with pytest.raises(UnsupportedError, match="pack_gqa"):

@@ -302,10 +302,14 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # against that part-empty last wave and removed: H100 run 116, Lq 1, fwd ms (splits /
 # 132 programs / 264 / torch SDPA cuDNN): batch 1 GQA 131k keys 0.189 / 0.194 / 0.192 /
 # 0.182, MHA 32k 0.184 / 0.257 / 0.200 / 0.178, batch 8 MHA 131k 5.716 / 5.820 / 5.762 /
-# 5.633; ahead only at batch 1 MHA 8192 (0.097 / 0.107 / 0.087 / 0.096).
+# 5.633; ahead only at batch 1 MHA 8192 (0.097 / 0.107 / 0.087 / 0.096). sm_90 wants its
+# waves 95% full: at 90%, 8 programs took 15 splits (120 of 132 SMs reading) where 16
+# fill 128; the H100's timings had 16 (run 101, fwd, batch 1, 8 KV heads, 131k keys:
+# 0.180 ms, 33 splits 0.183; run 72, dQ of 8 heads x 128 queries over 65,536 keys: 16
+# splits 0.561 ms fwd+bwd, 4 splits 0.807). Stage 67 times 15 beside 16.
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
-                  min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
+                  min_efficiency=0.95, max_splits=256, ragged_waves=4, partial_share=0.125,
                   forward_fill_per_sm=1, by_kind={"H200": dict(forward_fill_per_sm=2)}),
     "generic": dict(sms=108, programs_per_sm=2, smem_per_sm=164 * 1024, min_tiles=4,
                     min_efficiency=0.9, max_splits=256, ragged_waves=4, partial_share=0.125,
