@@ -761,6 +761,12 @@ case "${1:?stage 1 to 67}" in
       --out "$out/probe_split_fill_dq.json" --causal 0 --calls 1 \
       --routes "probjax triton" "probjax triton+set:num_splits_dq=15" \
       --shape 1,128,65536,8,8
+    # Does a TMA-fed forward read K/V faster than cp.async (ours 3.09 TB/s, cuDNN's 3.16,
+    # batch 8 MHA over 131k keys)? Mosaic's forward as it is (one query padded to two
+    # warpgroups of 64 rows, no split: its products are ~2.2 TFLOP beside 17 GB read).
+    step 120 probe_decode_mosaic python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_decode_mosaic.json" --causal 0 --calls 1 --forward-only \
+      --routes "probjax triton" "probjax mosaic" --shape 8,1,131072,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
