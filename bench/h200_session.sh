@@ -5,7 +5,9 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 67, 65, 66, 23, and 59 and 60 (an H200), then 12's parts that runs 44-47 did not reach.
+# Not yet run: 67, 65, 66, 23; on an H200 59, 60, then 11 and 15 (the H200's sequence and
+# set-transformer rows predate today's defaults: runs 17-41 and 12-18; the H100 ran both
+# as runs 69-70), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
