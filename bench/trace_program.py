@@ -56,9 +56,11 @@ def main():
     for route in jax_routes:
         for shape in args.shape:
             _trace(impls[route], route, shape, args)
-    for route in [r for r in args.routes if r not in jax_routes]:
+    torch_routes = [r for r in args.routes if r not in jax_routes]
+    torch_impls = _torch_impls() if torch_routes else {}
+    for route in torch_routes:
         for shape in args.shape:
-            _trace_torch(_torch_impls()[route], route, shape, args)
+            _trace_torch(torch_impls[route], route, shape, args)
 
 
 def _trace(impl, route: str, shape: str, args):
