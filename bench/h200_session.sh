@@ -744,11 +744,12 @@ case "${1:?stage 1 to 67}" in
   66)
     # Batch 8 MHA over 131k keys, one query: our kernel 5562 us, cuDNN's 5434 (runs
     # 119-120; no key step, warp count or ring depth of ours closed it). Their memory
-    # and warp-stall counters side by side.
+    # and warp-stall counters side by side, over 32k keys (run 102: 1.411 vs 1.369 ms a
+    # call), a quarter of the bytes for ncu's replays to save and restore.
     step 200 ncu_decode_mha env NCU_LIMIT=180 \
       NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
       bash bench/ncu.sh "$out" decode_mha bench.attention_work triton torch-cudnn \
-      --shape 8,1,131072,32,32 --launch 1 --forward-only
+      --shape 8,1,32768,32,32 --launch 1 --forward-only
     ;;
   67)
     # sm_90's split plans now fill waves 95% (was 90%): 8 programs take 16 splits, not 15
