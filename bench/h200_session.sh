@@ -652,19 +652,8 @@ case "${1:?stage 1 to 67}" in
       --routes "probjax auto" "probjax mosaic" --shape 8,128,8192,32,8 8,128,8192,32,32
     ;;
   58)
-    # Stream-K decoding (`lean_programs`): one wave of equally busy programs, where the
-    # split plan's last wave runs part-empty when the SMs are no multiple of the heads
-    # (1-3.5% behind torch at Lq 1 without lengths, runs 98-102: every such shape's plan
-    # filled 97% of its waves). Its GPU tests, then the forward beside the split plan and
-    # torch at those shapes, one and two programs an SM. (Run 116: slower at 5 of 6
-    # shapes; `lean_programs` removed since, so this stage no longer runs.)
-    gpu_tests 90 -k "lean_forward"
-    step 230 probe_lean python3 -m bench.probe_timing dispatch --forward-only \
-      --out "$out/probe_lean.json" --causal 0 --calls 1 \
-      --routes "probjax triton" "probjax triton+set:lean_programs=132" \
-        "probjax triton+set:lean_programs=264" \
-      --shape 1,1,131072,32,8 1,1,32768,32,32 8,1,32768,32,32 8,1,8192,32,8 \
-        1,1,8192,32,32 8,1,131072,32,32
+    # Run 116 also timed stream-K decoding (`lean_programs`, its GPU test and a probe
+    # beside the split plan): slower at 5 of 6 shapes, removed since with its steps here.
     # MHA training at 128 queries over 8192 keys (0.86x torch, run 112): each dK/dV
     # program of 128 keys runs two 64-row query tiles, little work to hide its K/V loads
     # behind; one warpgroup of 64 keys takes half the SMEM (two programs an SM?), and the
