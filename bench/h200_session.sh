@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 67, 65, 66, 23; on an H200 59, 60, then 11 and 15 (the H200's sequence and
+# Not yet run: 68, 67, 65, 66, 23; on an H200 59, 60, then 11 and 15 (the H200's sequence and
 # set-transformer rows predate today's defaults: runs 17-41 and 12-18; the H100 ran both
 # as runs 69-70), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
@@ -72,7 +72,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 67}" in
+case "${1:?stage 1 to 68}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -759,6 +759,17 @@ case "${1:?stage 1 to 67}" in
     step 120 probe_decode_mosaic python3 -m bench.probe_timing dispatch \
       --out "$out/probe_decode_mosaic.json" --causal 0 --calls 1 --forward-only \
       --routes "probjax triton" "probjax mosaic" --shape 8,1,131072,32,32
+    ;;
+  68)
+    # cuDNN's decoding kernel is an sm80 one (cp.async, runs 119-120), and torch reads
+    # contiguous [B, H, T, D] copies where ours reads [B, T, H, D] (256-byte rows, a
+    # head's keys strided): is the gap layout? Ours on head-major K/V beside ours, torch
+    # on its copies and on the view of JAX's memory.
+    step 300 probe_decode_layout env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      python3 -m bench.probe_timing dispatch --out "$out/probe_decode_layout.json" \
+      --causal 0 --calls 1 --forward-only --torch-layout view \
+      --routes "probjax auto" "probjax auto+heads_major" \
+      --shape 8,1,131072,32,32 1,1,131072,32,8 8,1,8192,32,8 1,1,32768,32,32 8,16,32768,32,8
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

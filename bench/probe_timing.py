@@ -16,7 +16,12 @@ process:
   Torch SDPA cuDNN ran T 4096 hd 128 fwd in 0.452 ms where JAX's route to the same
   kernels took 0.482 (run 93); ncu timed those kernels alike in both (run 95). Run 94
   chained with a `fori_loop` instead: slower per call (0.489 vs 0.466 ms fwd), the
-  loop's own work.
+  loop's own work. `--torch-layout view` times torch on the view of JAX's memory too.
+
+Route variant `NAME+heads_major` reads K/V head-major (`[batch, kv_heads, keys, dim]`,
+each head's keys contiguous, as torch's contiguous copies are), laid out before timing:
+the call runs over `batch * kv_heads` rows of one KV head each, a group's query heads
+its heads. Does decoding read K/V faster so than from `[batch, keys, heads, dim]`?
 """
 
 import argparse
@@ -86,6 +91,22 @@ def _repeat_kv(f):
     return repeated
 
 
+def heads_major(q, k, v, ct):
+    """The operands of `NAME+heads_major` (module docstring): one KV head a batch row."""
+    batch, q_len, heads, d = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+
+    def rows(x):  # [B, Lq, Hkv * G, D] -> [B * Hkv, Lq, G, D]
+        x = x.reshape(batch, q_len, kv_heads, groups, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+        return x.reshape(batch * kv_heads, q_len, groups, x.shape[-1])
+
+    def keys(x):  # [B, Lkv, Hkv, D] -> [B * Hkv, Lkv, 1, D]
+        return x.transpose(0, 2, 1, 3).reshape(batch * kv_heads, x.shape[1], 1, x.shape[-1])
+
+    return rows(q), keys(k), keys(v), rows(ct)
+
+
 def _with_mask(q, k, v, *, impl, causal):
     return impl(q, k, v, causal)
 
@@ -145,20 +166,22 @@ def _dispatch_jax(f, q, k, v, ct, args):
 def _dispatch_torch(f, q, k, v, ct, args):
     import torch
 
-    qt, kt, vt, ctt = torch_operands(q, k, v, ct)
     out = {}
-    for how, calls in (("", 1), (" chain", args.calls))[: 1 + (args.calls > 1)]:
-        chained = stack(f, calls)
+    for layout in ("contiguous", "view")[: 1 + (args.torch_layout == "view")]:
+        qt, kt, vt, ctt = torch_operands(q, k, v, ct, copy=layout == "contiguous")
+        tag = "" if layout == "contiguous" else ", view"
+        for how, calls in (("", 1), (" chain", args.calls))[: 1 + (args.calls > 1)]:
+            chained = stack(f, calls)
 
-        def fwd(chained=chained):
-            with torch.no_grad():
-                return chained(qt, kt, vt)
+            def fwd(chained=chained, qt=qt, kt=kt, vt=vt):
+                with torch.no_grad():
+                    return chained(qt, kt, vt)
 
-        out["fwd" + how] = _torch_time(fwd) / calls
-        if not args.forward_only:
-            out["fwd+bwd" + how] = _torch_time(
-                functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
-            ) / calls  # fmt: skip
+            out["fwd" + how + tag] = _torch_time(fwd) / calls
+            if not args.forward_only:
+                out["fwd+bwd" + how + tag] = _torch_time(
+                    functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
+                ) / calls  # fmt: skip
     return out
 
 
@@ -186,6 +209,7 @@ def main():
         nargs="*",
         help=f"JAX routes (default {JAX_ROUTES}); "
         "NAME+repeat_kv runs NAME on K/V repeated to the query heads; "
+        "NAME+heads_major on head-major K/V (module docstring); "
         "probjax mosaic+split_kv the split-KV Triton forward with the Mosaic backward; "
         "probjax NAME+set:FIELD=VALUE,... NAME at its default config with those fields",
     )
@@ -194,6 +218,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="alternations of every route")
     parser.add_argument("--forward-only", action="store_true",
                         help="dispatch: forward programs only (decoding)")  # fmt: skip
+    parser.add_argument("--torch-layout", choices=["contiguous", "view"], default="contiguous",
+                        help="dispatch: view also times torch on JAX's memory")  # fmt: skip
     parser.add_argument("--calls", type=int, default=8,
                         help="calls in a chain (dispatch); 1: no chains")  # fmt: skip
     args = parser.parse_args()
@@ -203,12 +229,15 @@ def main():
     base = dict(device=device_info(), versions=versions(), suite=f"probe_{args.probe}")
     jax_impls, torch_impls = _jax_impls(), _torch_impls()
     jax_routes = args.routes or JAX_ROUTES
+    major = {n for n in jax_routes if n.endswith("+heads_major")}
     if jax.devices()[0].platform != "gpu":  # a CPU smoke run
         jax_routes = args.routes or ["probjax auto", "jax.nn xla"]
     for name in jax_routes:
         base_name, _, variant = name.partition("+")
         if variant == "repeat_kv":
             jax_impls[name] = _repeat_kv(jax_impls[base_name])
+        elif variant == "heads_major":
+            jax_impls[name] = jax_impls[base_name]
         elif variant == "split_kv":
             jax_impls[name] = _split_kv_forward
         elif variant.startswith("set:"):
@@ -228,7 +257,8 @@ def main():
                     is_torch = name in torch_routes
                     impl = (torch_impls if is_torch else jax_impls)[name]
                     f = functools.partial(_with_mask, impl=impl, causal=causal)
-                    timings = (torch_timings if is_torch else jax_timings)(f, q, k, v, ct, args)
+                    operands = heads_major(q, k, v, ct) if name in major else (q, k, v, ct)
+                    timings = (torch_timings if is_torch else jax_timings)(f, *operands, args)
                     for how, ms in timings.items():
                         writer.add(dict(base, implementation=name, how=how, round=round_,
                                         shape=case, dtype="bfloat16", **{field: ms}))  # fmt: skip
