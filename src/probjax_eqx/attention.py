@@ -219,17 +219,38 @@ def _describe(q, k, v, mask, score_mod) -> AttentionCall:
     return AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
 
 
+def _backend(implementation: str | Backend | None) -> Backend:
+    if isinstance(implementation, Backend):
+        return implementation
+    return resolve("attention", implementation)
+
+
 def _select(q, k, v, mask, score_mod, implementation, config):
     """Canonicalise a call and select its implementation: `(mask, score_mod, call, choice)`."""
     mask, score_mod = _as_mask(mask), _as_score_mod(score_mod)
     call = _describe(q, k, v, mask, score_mod)
-    if not isinstance(implementation, Backend):
-        implementation = resolve("attention", implementation)
-    return mask, score_mod, call, implementation.select(call, config)
+    return mask, score_mod, call, _backend(implementation).select(call, config)
+
+
+def _planner(choice: Choice, call: AttentionCall, backend: Backend, config):
+    """`plan(q, k, v, mask, score_mod) -> config` for `choice`'s kernel.
+
+    Where `vmap` folds a batch into the call (`_flash.attend`), the kernel is planned
+    anew for it, as selection plans it.
+    """
+
+    def plan(q, k, v, mask, score_mod):
+        if q.shape[0] == call.batch:
+            return choice.config
+        again = backend.select(_describe(q, k, v, mask, score_mod), config)
+        return again.config if again.kernel == choice.kernel else choice.config
+
+    return plan
 
 
 def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
-    mask, score_mod, call, choice = _select(q, k, v, mask, score_mod, implementation, config)
+    backend = _backend(implementation)
+    mask, score_mod, call, choice = _select(q, k, v, mask, score_mod, backend, config)
     scale = 1.0 / math.sqrt(call.qk_dim) if scale is None else float(scale)
     if not (math.isfinite(scale) and scale > 0):
         # The kernels take the running max of unscaled scores and scale it after.
@@ -237,9 +258,13 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     if call.q_len == 0 or call.kv_len == 0:  # no queries, or no key for any: zeros
         return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
     impl = _IMPLEMENTATIONS[choice.kernel]
+    # Flash kernels plan for the batch they run (`_flash.attend`).
+    plans_per_batch = getattr(impl, "plans_per_batch", False)
+    plans = {"plan": _planner(choice, call, backend, config)} if plans_per_batch else {}
 
     def kernel(q, k, v, mask, score_mod):
-        return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config)  # pyright: ignore
+        return impl(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=choice.config,
+                    **plans)  # fmt: skip  # pyright: ignore
 
     if choice.kernel == "xla":
         return kernel(q, k, v, mask, score_mod)
@@ -548,7 +573,8 @@ class Attention(eqx.Module):
 
         !!! info
             Unbatched: `jax.vmap(attention)(xs)` for a batch. Per-example masks
-            (`KVLengths(lengths)`) are vmapped along with `xs`.
+            (`KVLengths(lengths)`) are vmapped along with `xs`. Our kernels plan for
+            the vmapped batch (`_flash.attend`); `explain` sees one example.
 
         Args:
             x: queries' input `[q_seq, embed_dim]`.

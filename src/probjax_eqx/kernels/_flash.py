@@ -3,10 +3,10 @@
 Padding, tile ranges, the custom VJP and the config / interpret check.
 
 A family builds a `FlashKernels` for a call: its `forward` and `backward` on padded
-operands (or, `direct`, a forward on the caller's). Calling it wires them into one
-`jax.custom_vjp` (`attend`) and slices the padding off; `forward_lse` and
-`backward_given` expose the two halves for callers that merge blocks themselves (ring
-attention).
+operands (or, `direct`, a forward on the caller's). `run_call` wires a family's two
+halves into one `jax.custom_vjp` (`attend`), which slices the padding off and folds
+`vmap`'s axis into the batch; `forward_lse` and `backward_given` expose the two halves
+for callers that merge blocks themselves (ring attention).
 """
 
 import dataclasses
@@ -157,9 +157,19 @@ class FlashKernels:
         dq = self._rows_out(dq, q.shape[1], d)
         return dq, dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]], doperands
 
-    def __call__(self, q, k, v):
-        """The attention output, under one custom VJP whose backward is `backward`."""
-        return attend(self, q, k, v, self.ranges, self.operands)
+    def output(self, q, k, v):
+        """The output alone: nothing runs on the log-sum-exp (a call not differentiated)."""
+        return self._forward(q, k, v, self.ranges["fwd"], self.operands)[0]
+
+    def forward_rows(self, q, k, v):
+        """The output and the rows' base-2 log-sum-exp `[batch, q_heads, q_seq]` (`rows_lse`)."""
+        o, lse = self._forward(q, k, v, self.ranges["fwd"], self.operands)
+        return o, rows_lse(lse, q.shape[1], self.pack)
+
+    def backward_rows(self, q, k, v, o, lse, do):
+        """`(dq, dk, dv, doperands)` given `forward_rows`' `lse`, of any call's kernels."""
+        lse = kernel_lse(lse, self.q_pad, self.pack)
+        return self._backward(q, k, v, o, lse, do, self.ranges, self.operands)
 
     def forward_lse(self, q, k, v):
         """The output and the natural-log log-sum-exp `[batch, heads, q_seq]` of each row.
@@ -167,10 +177,7 @@ class FlashKernels:
         `-inf` where no key is valid. Not differentiable: pair it with `backward_given`
         (ring attention merges blocks by `lse`).
         """
-        if self.pack != 1:
-            raise ValueError("forward_lse needs unpacked query heads")
-        o, lse = self._forward(q, k, v, self.ranges["fwd"], self.operands)
-        lse = lse[:, :, : q.shape[1]]
+        o, lse = self.forward_rows(q, k, v)
         return o, jnp.where(jnp.isposinf(lse), -jnp.inf, lse * LN2)
 
     def backward_given(self, q, k, v, o, lse, do):
@@ -179,59 +186,135 @@ class FlashKernels:
         `lse` (natural log) and `o` cover *every* key block: this is the flash backward of
         one block of a larger key set, exact once the blocks' gradients are summed.
         """
-        if self.pack != 1:
-            raise ValueError("backward_given needs unpacked query heads")
         lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse / LN2).astype(jnp.float32)
-        tail = ((0, 0), (0, 0), (0, self.q_pad - q.shape[1]))
-        lse2 = jnp.pad(lse2, tail, constant_values=jnp.inf)
-        return self._backward(q, k, v, o, lse2, do, self.ranges, self.operands)[:3]
+        return self.backward_rows(q, k, v, o, lse2, do)[:3]
 
 
-def attend(kernels: FlashKernels, q, k, v, ranges, operands):
-    """`kernels`' forward under a custom VJP whose backward is its backward."""
+def rows_lse(lse, q_len: int, pack: int):
+    """Kernels' `lse` `[batch, heads, q_pad]` (packed rows when `pack > 1`) as rows.
 
-    # Ranges and operands are explicit (integer, non-differentiable) arguments: a
-    # custom_vjp must not close over tracers, or `scan`/`jit` leak them into the bwd.
-    @jax.custom_vjp
-    def run(q, k, v, ranges, operands):
-        return kernels._forward(q, k, v, ranges["fwd"], operands)[0]
-
-    def run_fwd(q, k, v, ranges, operands):
-        o, lse = kernels._forward(q, k, v, ranges["fwd"], operands)
-        return o, (q, k, v, o, lse, ranges, operands)
-
-    def run_bwd(residuals, do):
-        q, k, v, o, lse, ranges, operands = residuals
-        *grads, doperands = kernels._backward(q, k, v, o, lse, do, ranges, operands)
-        return (*grads, None, doperands)
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(q, k, v, ranges, operands)
+    The call's rows `[batch, q_heads, q_len]`: base 2, `+inf` on rows without a valid key.
+    """
+    if pack == 1:
+        return lse[:, :, :q_len]
+    batch, kv_heads, _ = lse.shape
+    lse = lse[:, :, : q_len * pack].reshape(batch, kv_heads, q_len, pack)
+    return lse.transpose(0, 1, 3, 2).reshape(batch, kv_heads * pack, q_len)
 
 
-def attend_halves(forward_blocks: Callable, backward_blocks: Callable, q, k, v):
-    """Attention whose forward is one family's kernels and whose backward is another's.
+def kernel_lse(lse, q_pad: int, pack: int):
+    """The inverse of `rows_lse`: padded rows are `+inf` (no valid key)."""
+    batch, heads, q_len = lse.shape
+    if pack > 1:
+        lse = lse.reshape(batch, heads // pack, pack, q_len).transpose(0, 1, 3, 2)
+        lse = lse.reshape(batch, heads // pack, q_len * pack)
+    return jnp.pad(lse, ((0, 0), (0, 0), (0, q_pad - lse.shape[2])), constant_values=jnp.inf)
 
-    `forward_blocks(q, k, v)` and `backward_blocks(q, k, v)` build the `FlashKernels` of
-    an unmasked call: the output and its log-sum-exp come from the first's `forward_lse`,
-    the gradients from the second's `backward_given`. Both are built inside the custom
-    VJP's halves, from the operands alone, so that no tracer is closed over.
+
+def run_call(forward_kernels: Callable, backward_kernels: Callable, q, k, v, mask, score_mod):
+    """One call through a family's kernels (`attend`), its mask and score mod as operands.
+
+    `forward_kernels(q, k, v, mask, score_mod)` and `backward_kernels(...)` build the
+    `FlashKernels` of the halves for the arrays they are given (`vmap` may fold a batch
+    into them).
+    """
+    batch, q_len, heads, _ = q.shape
+    operands, kinds, restore = _tiles.canonical(
+        mask, score_mod, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[1]
+    )
+
+    def of_operands(kernels_of):
+        return lambda q, k, v, operands: kernels_of(q, k, v, *restore(operands))
+
+    return attend(of_operands(forward_kernels), of_operands(backward_kernels), kinds, q, k, v,
+                  operands)  # fmt: skip
+
+
+def attend(forward_blocks: Callable, backward_blocks: Callable, kinds, q, k, v, operands):
+    """Attention under one custom VJP: the forward's kernels, then the backward's.
+
+    `forward_blocks(q, k, v, operands)` and `backward_blocks(...)` build the
+    `FlashKernels` of a call from its arrays alone (so that no tracer is closed over),
+    planned for their shapes; `operands` are the call's mask and score-mod arrays
+    (`_tiles.canonical`, of `kinds`). The two halves meet at the output and its rows'
+    log-sum-exp (`forward_rows`), so they may be planned apart or be different kernel
+    families (Mosaic's split-KV Triton forward).
+
+    Under `jax.vmap` each half runs once over the batch the map folds into the call's
+    (`_fold_vmap`), planned for that batch: a module called unbatched and vmapped, as
+    Equinox modules are, gets the split counts and kernels of its whole batch.
     """
 
-    @jax.custom_vjp
-    def run(q, k, v):
-        return forward_blocks(q, k, v).forward_lse(q, k, v)[0]
+    def output(q, k, v, operands):
+        return forward_blocks(q, k, v, operands).output(q, k, v)
 
-    def run_fwd(q, k, v):
-        o, lse = forward_blocks(q, k, v).forward_lse(q, k, v)
-        return o, (q, k, v, o, lse)
+    def forward(q, k, v, operands):
+        return forward_blocks(q, k, v, operands).forward_rows(q, k, v)
+
+    def backward(q, k, v, o, lse, do, operands):
+        return backward_blocks(q, k, v, operands).backward_rows(q, k, v, o, lse, do)
+
+    folded_output = _fold_vmap(output, kinds, leading=3)
+    folded_forward = _fold_vmap(forward, kinds, leading=3)
+    folded_backward = _fold_vmap(backward, kinds, leading=6, with_gradients=True)
+
+    @jax.custom_vjp
+    def run(q, k, v, operands):
+        return folded_output(q, k, v, operands)
+
+    def run_fwd(q, k, v, operands):
+        o, lse = folded_forward(q, k, v, operands)
+        return o, (q, k, v, o, lse, operands)
 
     def run_bwd(residuals, do):
-        q, k, v, o, lse = residuals
-        return backward_blocks(q, k, v).backward_given(q, k, v, o, lse, do)
+        q, k, v, o, lse, operands = residuals
+        dq, dk, dv, doperands = folded_backward(q, k, v, o, lse, do, operands)
+        return dq, dk, dv, tuple(doperands)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(q, k, v)
+    return run(q, k, v, tuple(operands))
+
+
+def _fold_vmap(fn: Callable, kinds, *, leading: int, with_gradients: bool = False):
+    """`fn(*arrays, operands)` whose `vmap` folds the mapped axis into the batch axis.
+
+    `fn`'s first `leading` arguments and all its outputs lead with the call's batch, as
+    do its operands but those of kind `head`. Mapped, it runs once over `axis_size *
+    batch` rows, each half planning its kernels for that batch (pallas_call's own
+    batching would run the plan made for one example `axis_size` times over). Folding
+    needs q, k and v mapped (an unmapped K/V shared by all would be copied `axis_size`
+    times; other unmapped arrays, a cotangent of ones, are) and head operands not
+    mapped; with gradients, no floating head operand (their gradient sums over the
+    batch, where each example needs its own). Otherwise `fn` is mapped as it is.
+    """
+    folded = jax.custom_batching.custom_vmap(fn)
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        arrays, operands = args[:leading], args[leading]
+        mapped, mapped_ops = in_batched[:leading], in_batched[leading]
+        heads = [(op, m) for op, m, kind in zip(operands, mapped_ops, kinds) if kind == "head"]
+        fold = all(mapped[:3]) and not any(m for _, m in heads)
+        if with_gradients:
+            fold = fold and not any(jnp.issubdtype(op.dtype, jnp.floating) for op, _ in heads)
+        if not fold:
+            axes = ([0 if m else None for m in mapped], [0 if m else None for m in mapped_ops])
+            out = jax.vmap(fn, in_axes=(*axes[0], tuple(axes[1])))(*arrays, tuple(operands))
+            return out, jax.tree.map(lambda _: True, out)
+
+        def merge(x, m=True):
+            x = x if m else jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        operands = tuple(
+            op if kind == "head" else merge(op, m)
+            for op, m, kind in zip(operands, mapped_ops, kinds)
+        )
+        out = folded(*map(merge, arrays, mapped), operands)
+        out = jax.tree.map(lambda x: x.reshape(axis_size, -1, *x.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return folded
 
 
 def check_pallas(name: str, config_type: type, config, device: DeviceInfo, needs: str):

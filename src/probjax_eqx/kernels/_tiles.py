@@ -116,8 +116,12 @@ def _broadcast(values, shape):
     return jnp.broadcast_to(jnp.asarray(values), shape)
 
 
-def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int):
-    """Operands, kinds and `rebuild(values) -> tile-local tree` for a mask or score mod."""
+def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int, local: bool = True):
+    """Operands, kinds and `rebuild(values) -> tile-local tree` for a mask or score mod.
+
+    `local=False`: `rebuild` makes the whole tree again instead, from operands of
+    unpadded length (`q_pad`, `kv_pad` the call's lengths; `canonical`).
+    """
     operands: list = []
     kinds: list[str] = []
 
@@ -146,11 +150,37 @@ def split(tree, *, batch: int, heads: int, q_pad: int, kv_pad: int):
                     jnp.pad(ids, ((0, 0), (0, length - ids.shape[-1])), constant_values=pad_value)
                 )
             kinds.extend(["q_pos", "kv_pos"])
+            if not local:
+                return lambda values: masks.Segments(
+                    values[index], values[index + 1], sorted=node.sorted
+                )
             return lambda values: _TileSegments(values[index], values[index + 1])
         raise TypeError(unsupported_reason(node))
 
     rebuild = walk(tree)
     return operands, kinds, rebuild
+
+
+def canonical(mask, score_mod, *, batch: int, heads: int, q_len: int, kv_len: int):
+    """A call's mask and score-mod arrays in the kernels' layout, unpadded (`split`).
+
+    Returns `(operands, kinds, restore)`: `restore(operands) -> (mask, score_mod)` makes
+    both again from operands of this layout, of any batch size: the batch of a call can
+    change (`_flash.attend` folds `vmap`'s axis into it) while its operands keep their
+    meaning by kind.
+    """
+    def whole(tree):
+        return split(tree, batch=batch, heads=heads, q_pad=q_len, kv_pad=kv_len, local=False)
+
+    mask_ops, mask_kinds, mask_of = whole(mask)
+    mod_ops, mod_kinds, mod_of = whole(score_mod)
+    n = len(mask_ops)
+
+    def restore(values):
+        values = list(values)
+        return mask_of(values[:n]), mod_of(values[n:])
+
+    return tuple(mask_ops + mod_ops), tuple(mask_kinds + mod_kinds), restore
 
 
 def unmasked_kv_ranges(ctx: masks.MaskContext, tile, *, program_block: int, loop_block: int):

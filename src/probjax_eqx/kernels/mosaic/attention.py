@@ -40,7 +40,7 @@ with one valid key, KV lengths, segment ids).
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +176,7 @@ class MosaicAttentionConfig:
             (H100 run 49: 2.39 -> 2.30 ms fwd+bwd at B4 H8 T4096 hd128).
         split_kv_forward: the forward from our split-KV Triton kernel with this config
             (`implementation="triton"`), the backward from these kernels, joined by the
-            forward's log-sum-exp (`_flash.attend_halves`). For calls whose forward grid
+            forward's log-sum-exp (`_flash.attend`). For calls whose forward grid
             leaves SMs idle, few query tiles over many keys, where the Triton forward
             splits the keys over programs and this one does not. Unmasked calls without
             score mods only. Automatic selection (`auto_config`) sets it on the GPU where
@@ -1595,20 +1595,31 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig):
-    """Mosaic GPU flash attention of `[batch, seq, heads, dim]` operands (module docstring)."""
-    if config.split_kv_forward is not None:  # unmasked, no score mod (`_split_kv_rule`)
-        triton, own = config.split_kv_forward, dataclasses.replace(config, split_kv_forward=None)
-        return _flash.attend_halves(
-            lambda q, k, v: TritonAttention().blocks(
-                q, k, v, mask=None, scale=scale, config=triton
-            ),
-            lambda q, k, v: kernels(q, k, v, mask=None, score_mod=None, scale=scale, config=own),
-            q,
-            k,
-            v,
-        )
-    return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
+def flash_attention(
+    q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionConfig, plan=None
+):
+    """Mosaic GPU flash attention of `[batch, seq, heads, dim]` operands (module docstring).
+
+    `plan(q, k, v, mask, score_mod) -> config`: the config at other shapes (a batch that
+    `vmap` folds in, `_flash.attend`); without it, `config` at every shape. A config's
+    `split_kv_forward` (unmasked calls, `_split_kv_rule`) runs the forward half.
+    """
+
+    def planned(q, k, v, mask, score_mod) -> MosaicAttentionConfig:
+        return config if plan is None else plan(q, k, v, mask, score_mod)
+
+    def forward(q, k, v, mask, score_mod):
+        cfg = planned(q, k, v, mask, score_mod)
+        if cfg.split_kv_forward is not None:
+            return TritonAttention().blocks(q, k, v, mask=None, scale=scale,
+                                            config=cfg.split_kv_forward)  # fmt: skip
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
+
+    def backward(q, k, v, mask, score_mod):
+        cfg = dataclasses.replace(planned(q, k, v, mask, score_mod), split_kv_forward=None)
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
+
+    return _flash.run_call(forward, backward, q, k, v, mask, score_mod)
 
 
 def _split_kv_rule(call: AttentionCall, device: DeviceInfo, triton: TritonAttentionConfig):
@@ -1717,6 +1728,9 @@ class MosaicAttention:
         extra=(_kernel_rule,),
     )
 
+    # `__call__` takes `plan`: under `vmap` its kernels plan for the folded batch.
+    plans_per_batch: ClassVar[bool] = True
+
     def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
         why = _flash.check_pallas(
             "mosaic", MosaicAttentionConfig, config, device, "Mosaic GPU needs an sm_90 GPU"
@@ -1737,8 +1751,11 @@ class MosaicAttention:
     def auto_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
         return auto_config(call, device)
 
-    def __call__(self, q, k, v, *, mask, score_mod, scale, config: MosaicAttentionConfig):
-        return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
+    def __call__(self, q, k, v, *, mask, score_mod, scale, config: MosaicAttentionConfig,
+                 plan=None):  # fmt: skip
+        return flash_attention(
+            q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config, plan=plan
+        )
 
     def blocks(self, q, k, v, *, mask, scale, config: MosaicAttentionConfig):
         """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""

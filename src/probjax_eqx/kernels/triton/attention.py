@@ -22,7 +22,7 @@ log-sum-exp is stored as +inf, so the backward sees p = 0).
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -1038,9 +1038,20 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
     return dq, dk, dv_, tuple(dops)
 
 
-def flash_attention(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
-    """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring)."""
-    return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)(q, k, v)
+def flash_attention(
+    q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig, plan=None
+):
+    """Triton flash attention of `[batch, seq, heads, dim]` operands (see module docstring).
+
+    `plan(q, k, v, mask, score_mod) -> config`: the config at other shapes (a batch that
+    `vmap` folds in, `_flash.attend`); without it, `config` at every shape.
+    """
+
+    def build(q, k, v, mask, score_mod):
+        cfg = config if plan is None else plan(q, k, v, mask, score_mod)
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
+
+    return _flash.run_call(build, build, q, k, v, mask, score_mod)
 
 
 def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
@@ -1144,6 +1155,9 @@ class TritonAttention:
         extra=(_kernel_rule,),
     )
 
+    # `__call__` takes `plan`: under `vmap` its kernels plan for the folded batch.
+    plans_per_batch: ClassVar[bool] = True
+
     def check(self, call: AttentionCall, device: DeviceInfo, config=None) -> str | None:
         why = _flash.check_pallas(
             "triton", TritonAttentionConfig, config, device, "Pallas Triton needs a GPU"
@@ -1158,8 +1172,11 @@ class TritonAttention:
     def resolve_config(self, config, call: AttentionCall, device: DeviceInfo):
         return resolve_backward(config, call, device)
 
-    def __call__(self, q, k, v, *, mask, score_mod, scale, config: TritonAttentionConfig):
-        return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
+    def __call__(self, q, k, v, *, mask, score_mod, scale, config: TritonAttentionConfig,
+                 plan=None):  # fmt: skip
+        return flash_attention(
+            q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config, plan=plan
+        )
 
     def blocks(self, q, k, v, *, mask, scale, config: TritonAttentionConfig):
         """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""
