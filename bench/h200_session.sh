@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 68, 67, 65, 66, 23; on an H200 59, 60, then 11 and 15 (the H200's sequence and
+# Not yet run: 68, 69, 67, 65, 66, 23; on an H200 59, 60, then 11 and 15 (the H200's sequence and
 # set-transformer rows predate today's defaults: runs 17-41 and 12-18; the H100 ran both
 # as runs 69-70), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
@@ -72,7 +72,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 68}" in
+case "${1:?stage 1 to 69}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -770,6 +770,19 @@ case "${1:?stage 1 to 68}" in
       --causal 0 --calls 1 --forward-only --torch-layout view \
       --routes "probjax auto" "probjax auto+heads_major" \
       --shape 8,1,131072,32,32 1,1,131072,32,8 8,1,8192,32,8 1,1,32768,32,32 8,16,32768,32,8
+    ;;
+  69)
+    # Under `jax.vmap` (an Equinox module's batch) the kernels now plan for the folded
+    # batch: before, one example's plan ran batch times over (cross-attention 8 x 128
+    # over 8192 keys: the split-KV join and fused dQ where the batch takes its own dQ
+    # kernel). Vmapped one-example calls beside the batched call.
+    step 200 probe_vmap_train python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_vmap_train.json" --causal 0 --calls 1 \
+      --routes "probjax auto" "probjax auto+vmap" \
+      --shape 8,128,8192,32,32 4,128,16384,32,8
+    step 120 probe_vmap_decode python3 -m bench.probe_timing dispatch \
+      --out "$out/probe_vmap_decode.json" --causal 0 --calls 1 --forward-only \
+      --routes "probjax auto" "probjax auto+vmap" --shape 8,1,8192,32,8 8,1,32768,32,32
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

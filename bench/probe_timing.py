@@ -107,6 +107,18 @@ def heads_major(q, k, v, ct):
     return rows(q), keys(k), keys(v), rows(ct)
 
 
+def _vmapped(f):
+    """`f` as a vmapped module calls it: one example a call, `jax.vmap` over the batch."""
+
+    def mapped(q, k, v, causal):
+        def one(q, k, v):
+            return f(q[None], k[None], v[None], causal)[0]
+
+        return jax.vmap(one)(q, k, v)
+
+    return mapped
+
+
 def _with_mask(q, k, v, *, impl, causal):
     return impl(q, k, v, causal)
 
@@ -210,6 +222,7 @@ def main():
         help=f"JAX routes (default {JAX_ROUTES}); "
         "NAME+repeat_kv runs NAME on K/V repeated to the query heads; "
         "NAME+heads_major on head-major K/V (module docstring); "
+        "NAME+vmap as a vmapped module calls it (one example a call); "
         "probjax mosaic+split_kv the split-KV Triton forward with the Mosaic backward; "
         "probjax NAME+set:FIELD=VALUE,... NAME at its default config with those fields",
     )
@@ -236,6 +249,8 @@ def main():
         base_name, _, variant = name.partition("+")
         if variant == "repeat_kv":
             jax_impls[name] = _repeat_kv(jax_impls[base_name])
+        elif variant == "vmap":
+            jax_impls[name] = _vmapped(jax_impls[base_name])
         elif variant == "heads_major":
             jax_impls[name] = jax_impls[base_name]
         elif variant == "split_kv":
