@@ -169,3 +169,27 @@ def test_vmap_plans_as_the_batched_call(shape, mask):
     for batched, mapped in ((call, jax.vmap(one)), (train(call), jax.vmap(train(one)))):
         expected = grids(batched, q, k, k, lengths)
         assert expected and grids(mapped, q, k, k, lengths) == expected
+
+
+def test_module_explain_shows_the_vmapped_batch_plan(monkeypatch):
+    # A cross-attention module built on a (simulated) H100, one query over 8192 keys:
+    # vmapped over 8 examples its kernels split the keys as the plan for batch 8 says,
+    # which `explain(..., batch=8)` reports.
+    from probjax_eqx import Attention
+    from probjax_eqx import attention as attention_module
+
+    backend = resolve("attention", device=H100, environ={})
+    monkeypatch.setattr(attention_module, "resolve", lambda *args, **kwargs: backend)
+    attn = Attention(4096, 32, num_kv_heads=8, head_dim=128, compute_dtype="bfloat16",
+                     key=jax.random.key(0))  # fmt: skip
+    assert attn.backend is backend
+    x = jax.ShapeDtypeStruct((1, 4096), jnp.float32)
+    context = jax.ShapeDtypeStruct((8192, 4096), jnp.float32)
+    one, eight = (attn.explain(x, context, batch=n).config for n in (1, 8))
+    assert one.num_splits != eight.num_splits  # the plan depends on the batch
+    xs = jax.ShapeDtypeStruct((8, *x.shape), x.dtype)
+    contexts = jax.ShapeDtypeStruct((8, *context.shape), context.dtype)
+    forward = grids(jax.vmap(attn), xs, contexts)[0]  # the split forward: (splits, heads, batch)
+    assert forward == (eight.num_splits, 8, 8)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        attn.explain(x, context, batch=0)

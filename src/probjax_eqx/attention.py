@@ -574,7 +574,7 @@ class Attention(eqx.Module):
         !!! info
             Unbatched: `jax.vmap(attention)(xs)` for a batch. Per-example masks
             (`KVLengths(lengths)`) are vmapped along with `xs`. Our kernels plan for
-            the vmapped batch (`_flash.attend`); `explain` sees one example.
+            the vmapped batch (`_flash.attend`; `explain(..., batch=n)` shows it).
 
         Args:
             x: queries' input `[q_seq, embed_dim]`.
@@ -657,9 +657,19 @@ class Attention(eqx.Module):
         *,
         mask: MaskLike = None,
         score_mod: object = None,
+        batch: int = 1,
     ) -> Choice:
-        """The `Choice` this module's backend makes for these inputs, without running it."""
-        q, k, v = jax.eval_shape(self._qkv, x, context)
+        """The `Choice` this module's backend makes for these inputs, without running it.
+
+        `batch`: the examples `jax.vmap` runs the module over; our kernels plan for all
+        of them at once (`_flash.attend`), so their config depends on it.
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        q, k, v = (
+            jax.ShapeDtypeStruct((batch, *a.shape[1:]), a.dtype)
+            for a in jax.eval_shape(self._qkv, x, context)
+        )
         return _explain(q, k, v, mask, score_mod, self.backend, None)
 
 

@@ -169,6 +169,7 @@ def canonical(mask, score_mod, *, batch: int, heads: int, q_len: int, kv_len: in
     change (`_flash.attend` folds `vmap`'s axis into it) while its operands keep their
     meaning by kind.
     """
+
     def whole(tree):
         return split(tree, batch=batch, heads=heads, q_pad=q_len, kv_pad=kv_len, local=False)
 
