@@ -213,7 +213,9 @@ _TILE_SKIPPING = frozenset({"causal", "local_window", "block_diagonal", "segment
 # profilers, H100 runs 119-120, us): batch 8, 8 KV heads, 8192 keys 89.2 vs 91.3 (the
 # per-call gap there, 0.097 vs 0.094 ms, is JAX's dispatch); batch 1, 8 KV heads, 131k
 # keys 180.1 vs 174.6; batch 8 MHA 131k 5562 vs 5434 (3.09 vs 3.16 TB/s), where 128-key
-# steps, 8 warps and 2-5 stages all took 5.650-5.674 ms a call.
+# steps, 8 warps and 2-5 stages all took 5.650-5.674 ms a call. Nor do TMA loads (Mosaic's
+# forward 5.660 ms a call against 5.620, run 123) or head-major K/V (5.566; 0.189 against
+# 0.180 ms at batch 1 MHA over 32k keys, run 122) close it.
 DECODE_TILES = {"sm_90": (64, 4, 3), "generic": (128, 8, 3)}
 
 
@@ -306,7 +308,10 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
 # waves 95% full: at 90%, 8 programs took 15 splits (120 of 132 SMs reading) where 16
 # fill 128; the H100's timings had 16 (run 101, fwd, batch 1, 8 KV heads, 131k keys:
 # 0.180 ms, 33 splits 0.183; run 72, dQ of 8 heads x 128 queries over 65,536 keys: 16
-# splits 0.561 ms fwd+bwd, 4 splits 0.807). Stage 67 times 15 beside 16.
+# splits 0.561 ms fwd+bwd, 4 splits 0.807). In one run (H100 run 123, two rounds) 16
+# splits led 15 and 33 or tied: 0.181 / 0.185 ms against 0.184 / 0.184 and 0.187 (torch
+# SDPA cuDNN 0.182), over 32k keys 0.054 against 0.055 and 0.056 (0.053); dQ's 16 splits
+# 0.554 ms fwd+bwd against 15 splits' 0.560.
 SPLIT_KV_RULES = {
     "sm_90": dict(sms=132, programs_per_sm=2, smem_per_sm=228 * 1024, min_tiles=4,
                   min_efficiency=0.95, max_splits=256, ragged_waves=4, partial_share=0.125,
