@@ -5,6 +5,7 @@ example; `_flash.attend` folds the mapped axis into the call's batch and plans t
 kernels for the whole batch, as the batched call would.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -193,3 +194,21 @@ def test_module_explain_shows_the_vmapped_batch_plan(monkeypatch):
     assert forward == (eight.num_splits, 8, 8)
     with pytest.raises(ValueError, match="batch must be >= 1"):
         attn.explain(x, context, batch=0)
+
+
+def test_a_folded_batch_that_selection_refuses_keeps_the_examples_config():
+    from probjax_eqx.attention import _describe, _planner
+    from probjax_eqx.backends import Backend, UnsupportedError
+
+    class Refusing(Backend):
+        def select(self, call, config=None):
+            raise UnsupportedError("triton", "refused for the test")
+
+    q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+    backend = resolve("attention", device=H100, environ={})
+    choice = backend.select(_describe(q, k, k, None, None))
+    refusing = Refusing(**{f.name: getattr(backend, f.name) for f in dataclasses.fields(backend)})
+    plan = _planner(choice, _describe(q, k, k, None, None), refusing, None)
+    q8, k8 = (jax.ShapeDtypeStruct((8, *x.shape[1:]), x.dtype) for x in (q, k))
+    assert plan(q8, k8, k8, None, None) is choice.config

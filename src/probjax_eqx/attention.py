@@ -26,7 +26,14 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Real
 from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx.attention_call import AttentionCall
-from probjax_eqx.backends import Backend, Choice, register_op, register_regime, resolve
+from probjax_eqx.backends import (
+    Backend,
+    Choice,
+    UnsupportedError,
+    register_op,
+    register_regime,
+    resolve,
+)
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
@@ -242,7 +249,10 @@ def _planner(choice: Choice, call: AttentionCall, backend: Backend, config):
     def plan(q, k, v, mask, score_mod):
         if q.shape[0] == call.batch:
             return choice.config
-        again = backend.select(_describe(q, k, v, mask, score_mod), config)
+        try:
+            again = backend.select(_describe(q, k, v, mask, score_mod), config)
+        except UnsupportedError:  # the example's config computes any batch of it
+            return choice.config
         return again.config if again.kernel == choice.kernel else choice.config
 
     return plan
