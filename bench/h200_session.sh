@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 66; on an H200 59, 60, then 11 and 15 (the H200's sequence and
+# Not yet run: on an H200 59, 60, then 11 and 15 (the H200's sequence and
 # set-transformer rows predate today's defaults: runs 17-41 and 12-18; the H100 ran both
 # as runs 69-70), then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
@@ -21,7 +21,7 @@
 # shapes without that route; run 119 ran 62 and 63, run 120 64;
 # run 121 ran 1, cut at 92 of 111 tests (since split into 1 and 65); runs 122-126 ran
 # 68 with 69, 67, 1, 65 and 23 (run 127: 69's probe at the ISAB shape; run 128: the
-# vmapped rows before the fold, on the code of 7dbb495).
+# vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
