@@ -1,5 +1,5 @@
-"""Shared checks: an attention implementation against the float32 oracle; gradients of
-gradients against a reference; row scatters."""
+"""Shared checks: an attention implementation against the float32 oracle; derivatives
+beyond the first VJP against a reference; row scatters."""
 
 import jax
 import jax.numpy as jnp
@@ -47,27 +47,53 @@ def check_against_oracle(
     return out, grads
 
 
-def check_gradients_of_gradients(f, reference, *args, dtype=jnp.float32, tf32=False):
-    """A gradient penalty through `f` equals `reference`'s: value and gradients.
+def check_higher_derivatives(f, reference, *args, dtype=jnp.float32, tf32=False):
+    """Beyond its first VJP, `f`'s derivatives equal `reference`'s: value and gradients.
 
-    `|grad sin(f)|^2` as a function of every argument, differentiated (reverse over
-    reverse); compared relative to the reference's largest entry, at `dtype`'s gradient
-    tolerance.
+    Reverse over reverse (a gradient penalty `|grad sin(f)|^2` with its gradient),
+    forward mode (`jax.jvp`), forward over reverse (a Hessian-vector product) and
+    reverse over forward (the gradient of a JVP's square), all jitted, each compared
+    relative to the reference's largest entry at `dtype`'s gradient tolerance.
     """
+    argnums = tuple(range(len(args)))
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(args))))
 
-    def penalty(fn):
+    def tangent_like(x):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.random.normal(next(keys), x.shape, x.dtype)
+        return np.zeros(x.shape, jax.dtypes.float0)
+
+    tangents = jax.tree.map(tangent_like, args)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))
+
+    def penalty(fn):  # reverse over reverse
         def grad_norm(*args):
-            loss = lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))  # noqa: E731
-            grads = jax.grad(loss, argnums=range(len(args)))(*args)
+            grads = jax.grad(loss(fn), argnums=argnums)(*args)
             return sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads))
 
-        return jax.jit(jax.value_and_grad(grad_norm, argnums=range(len(args))))
+        return jax.value_and_grad(grad_norm, argnums=argnums)
 
-    got, want = penalty(f)(*args), penalty(reference)(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = (np.asarray(a, np.float32) for a in (g, w))
-        top = np.abs(w).max()
-        assert_close(g / top, w / top, dtype, grad=True, tf32=tf32)
+    def forward(fn):  # forward mode
+        return lambda *a: jax.jvp(fn, a, tangents)
+
+    def hessian_vector(fn):  # forward over reverse
+        return lambda *a: jax.jvp(jax.grad(loss(fn), argnums=argnums), a, tangents)[1]
+
+    def jvp_gradient(fn):  # reverse over forward
+        def square(*a):
+            tangent = forward(fn)(*a)[1]
+            return sum(jnp.sum(t.astype(jnp.float32) ** 2) for t in jax.tree.leaves(tangent))
+
+        return jax.grad(square, argnums=argnums)
+
+    for transform in (penalty, forward, hessian_vector, jvp_gradient):
+        got, want = (jax.jit(transform(fn))(*args) for fn in (f, reference))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            g, w = (np.asarray(a, np.float32) for a in (g, w))
+            top = np.abs(w).max()
+            assert_close(g / top, w / top, dtype, grad=True, tf32=tf32, err_msg=transform.__name__)
 
 
 def all_eqns(jaxpr):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import loss_and_grads, make_qkv
-from _check import check_against_oracle, check_gradients_of_gradients, oracle
+from _check import check_against_oracle, check_higher_derivatives, oracle
 from _tolerance import assert_close
 from probjax_eqx import biases, dot_product_attention, explain_attention, flex_attention, masks
 
@@ -465,10 +465,10 @@ def test_cudnn_padded_backward_repeats(getkey):
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic", "cudnn"])
-def test_gradients_of_gradients_on_gpu(getkey, implementation):
-    """A gradient penalty through each GPU kernel (its first-order VJP, then XLA's
-    derivatives of it) equals XLA's throughout: bf16 for Mosaic and cuDNN, which take
-    no float32; Triton's float32 on TF32 tensor cores."""
+def test_higher_derivatives_on_gpu(getkey, implementation):
+    """Beyond each GPU kernel's first-order VJP (gradient penalty, forward mode, Hessian-
+    vector products either way round), derivatives equal XLA's: bf16 for Mosaic and
+    cuDNN, which take no float32; Triton's float32 on TF32 tensor cores."""
     dtype = jnp.float32 if implementation == "triton" else jnp.bfloat16
     q, k, v = make_qkv(getkey(), batch=2, q_len=130, kv_len=200, q_heads=4, kv_heads=2,
                        qk_dim=64, dtype=dtype)  # fmt: skip
@@ -479,6 +479,6 @@ def test_gradients_of_gradients_on_gpu(getkey, implementation):
             q, k, v, mask=mask, implementation=implementation
         )
 
-    check_gradients_of_gradients(
+    check_higher_derivatives(
         attend(implementation), attend("xla"), q, k, v, dtype=dtype, tf32=dtype == jnp.float32
     )

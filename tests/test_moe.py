@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from _check import all_eqns, check_gradients_of_gradients, float_row_scatters
+from _check import all_eqns, check_higher_derivatives, float_row_scatters
 from _tolerance import assert_close
 from probjax_eqx import MoE, UnsupportedError, grouped_matmul
 from probjax_eqx import moe as moe_module
@@ -122,6 +122,34 @@ def test_xla_grouped_matmul_second_derivatives(getkey):
     batched = jax.vmap(jax.grad(ours, (0, 1)), (0, None))(jnp.stack([lhs, lhs]), rhs)
     assert_close(batched[0][1], got[0], jnp.float32, grad=True)
     assert_close(batched[1][0], got[1], jnp.float32, grad=True)
+    # Forward mode, and forward over reverse (a Hessian-vector product).
+    tangents = (jax.random.normal(getkey(), lhs.shape), jax.random.normal(getkey(), rhs.shape))
+    gmm = lambda a, b: grouped_matmul(a, b, sizes, implementation="xla")  # noqa: E731
+    for f, g in ((gmm, dense), (ours, grad_norm(dense))):
+        got_t, want_t = (jax.jvp(fn, (lhs, rhs), tangents)[1] for fn in (jax.jit(f), g))
+        top = jnp.abs(want_t).max()
+        assert_close(got_t / top, want_t / top, jnp.float32, grad=True)
+
+
+def test_moe_forward_mode_against_finite_differences(getkey):
+    """`jax.jvp` through the MoE layer (router top-k, expert matmuls, combine), tokens and
+    weights: JAX's own derivatives serve here, none of ours in reverse mode."""
+    from jax.test_util import check_grads
+
+    moe = MoE(8, 12, num_experts=4, top_k=2, key=getkey())
+    x = jax.random.normal(getkey(), (7, 8))
+    params, static = eqx.partition(moe, eqx.is_inexact_array)
+
+    def out(p, x):  # finite differences pass NumPy arrays
+        p, x = jax.tree.map(jnp.asarray, (p, x))
+        return eqx.combine(p, static)(x)[0]
+
+    check_grads(out, (params, x), order=1, modes=["fwd"], atol=1e-2, rtol=1e-2)
+    top_k = lambda s: moe_module.top_k_by_passes(jnp.asarray(s), 2)[0]  # noqa: E731
+    check_grads(top_k, (x,), order=2, modes=["fwd"])
+    h13 = jax.random.normal(getkey(), (5, 9))
+    swiglu = lambda h: moe_module.swiglu(jnp.asarray(h), 4)  # noqa: E731
+    check_grads(swiglu, (h13,), order=2, modes=["fwd", "rev"])
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
@@ -195,12 +223,13 @@ def test_row_moves_have_derivatives_of_every_order(getkey):
     np.testing.assert_allclose(copied[:-1], x[order // k])
     want = jnp.zeros((tokens, d)).at[rows[:-1]].add(ys[:-1] * scale[:-1, None])
     np.testing.assert_allclose(combine_rows(ys, slots, rows, scale), want, rtol=1e-6)
-    check_grads(lambda x: copy_to_rows(x, rows, slots), (x,), order=2, modes=["rev"])
+    modes = ["fwd", "rev"]  # and each over the other
+    check_grads(lambda x: copy_to_rows(x, rows, slots), (x,), order=2, modes=modes)
     check_grads(lambda ys, s: combine_rows(ys, slots, rows, s), (ys, scale), order=2,
-                modes=["rev"])  # fmt: skip
+                modes=modes)  # fmt: skip
     index = jnp.concatenate([order, jnp.array([tokens * k])])  # the last row reads zeros
     check_grads(lambda y: permute_rows(y, index, inverse_permutation(order)), (ys[:-1],),
-                order=2, modes=["rev"])  # fmt: skip
+                order=2, modes=modes)  # fmt: skip
 
 
 def test_grouped_matmul_refusals_and_choice(getkey):
@@ -654,10 +683,10 @@ def test_router_keeps_no_float32_copy_of_the_tokens(capsys):
 
 
 @pytest.mark.parametrize("dispatch", ["triton", "fused_gsum"])
-def test_gradients_of_gradients(getkey, dispatch):
-    """Reverse over reverse through the interpreted kernels (the grouped matmul; the fused
-    gather / scatter dispatch): their own VJP, then XLA's derivatives of it, equal XLA's
-    throughout, with respect to the tokens and the expert weights."""
+def test_higher_derivatives(getkey, dispatch):
+    """Beyond the interpreted kernels' own VJP (the grouped matmul; the fused gather /
+    scatter dispatch): forward mode and derivatives of derivatives, with respect to the
+    tokens and the expert weights, equal XLA's throughout."""
     x = jax.random.normal(getkey(), (9, 16))
     key = getkey()
     moe, reference = make_moe(key, dispatch), make_moe(key, "xla")  # the same weights
@@ -668,4 +697,4 @@ def test_gradients_of_gradients(getkey, dispatch):
         return lambda leaves, x: eqx.combine(jax.tree.unflatten(treedef, leaves), static)(x)[0]
 
     weights = jax.tree.leaves(eqx.filter(moe, eqx.is_inexact_array))
-    check_gradients_of_gradients(run(moe), run(reference), weights, x)
+    check_higher_derivatives(run(moe), run(reference), weights, x)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from _check import check_gradients_of_gradients
+from _check import check_higher_derivatives
 from _tolerance import assert_close
 from probjax_eqx import RLA, Mamba, Mamba2, UnsupportedError, resolve, selective_scan
 from probjax_eqx.backends import DeviceInfo
@@ -190,9 +190,9 @@ def test_chunked_linear_defaults_split_wide_states_on_the_gpu(dtype):
 
 
 @pytest.mark.parametrize("op", ["selective_scan", "ssd", "linear_outside_window"])
-def test_gradients_of_gradients(getkey, op):
-    """Reverse over reverse through the interpreted kernels: their own VJP, then the pure-JAX
-    path's derivatives of it, equal the pure-JAX path's throughout."""
+def test_higher_derivatives(getkey, op):
+    """Beyond the interpreted kernels' own VJP: forward mode and derivatives of derivatives
+    equal the pure-JAX path's throughout."""
     keys = jax.random.split(getkey(), 5)
     normal = lambda i, shape: jax.random.normal(keys[i], shape)  # noqa: E731
     if op == "selective_scan":
@@ -213,4 +213,4 @@ def test_gradients_of_gradients(getkey, op):
             *a, window=3, implementation="triton", config=CHUNK_CFG
         )
         ref = lambda *a: linear_outside_window(*a, window=3, chunk=8, implementation="chunked")  # noqa: E731
-    check_gradients_of_gradients(f, ref, *args)
+    check_higher_derivatives(f, ref, *args)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _attention_cases import MASKS, make_qkv
-from _check import check_against_oracle, check_gradients_of_gradients, oracle
+from _check import check_against_oracle, check_higher_derivatives, oracle
 from _tolerance import assert_close
 from probjax_eqx import (
     UnsupportedError,
@@ -457,10 +457,10 @@ def test_split_kv_over_several_query_tiles_causal(getkey):
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gradients_of_gradients(getkey, mask, score_mod, dtype):
-    """A gradient penalty (reverse over reverse) through the kernels: their own first-order
-    VJP, then the reference's derivatives of it, with respect to q, k, v and the score
-    mod's parameters, equal the reference's throughout."""
+def test_higher_derivatives(getkey, mask, score_mod, dtype):
+    """Beyond the kernels' own first-order VJP: forward mode (`jax.jvp`), a gradient
+    penalty and Hessian-vector products either way round, with respect to q, k, v and the
+    score mod's parameters, equal the reference's throughout."""
     q, k, v = make_qkv(getkey(), batch=2, q_len=9, kv_len=13, q_heads=4, kv_heads=2,
                        qk_dim=16, dtype=dtype)  # fmt: skip
 
@@ -469,6 +469,27 @@ def test_gradients_of_gradients(getkey, mask, score_mod, dtype):
             q, k, v, mask=mask, bias=mod, implementation=implementation, config=config
         )
 
-    check_gradients_of_gradients(
+    check_higher_derivatives(
         attend("triton", CFG), attend("xla", None), q, k, v, score_mod, dtype=dtype
     )
+
+
+def test_jacfwd_through_the_kernels(getkey):
+    """`jax.jacfwd` (forward mode under vmap) and `jax.hessian` through the kernels equal
+    the reference's: here of the output in per-head query temperatures."""
+    q, k, v = make_qkv(getkey(), batch=1, q_len=5, kv_len=7, q_heads=2, kv_heads=1,
+                       qk_dim=16, dtype=jnp.float32)  # fmt: skip
+
+    def attend(implementation, config):
+        def out(temperature):
+            scaled = q * temperature[None, None, :, None]
+            return dot_product_attention(scaled, k, v, mask=masks.Causal(),
+                                         implementation=implementation, config=config)  # fmt: skip
+
+        return out
+
+    t = jnp.array([0.7, 1.3])
+    for transform in (jax.jacfwd, lambda f: jax.hessian(lambda t: jnp.sum(jnp.sin(f(t))))):
+        got = jax.jit(transform(attend("triton", CFG)))(t)
+        want = transform(attend("xla", None))(t)
+        assert_close(got, want, jnp.float32, grad=True)

@@ -1,25 +1,192 @@
-"""Derivatives of our kernels' gradients, through their pure-JAX references.
+"""Derivatives of our kernels in both modes and to any order.
 
-A kernel's VJP runs Pallas or cuDNN calls, which JAX cannot differentiate again: a
-gradient penalty, meta-learning or a Hessian-vector product by reverse-over-reverse
-would fail inside them (an `AssertionError` deep in Pallas). `kernel_then_reference`
-keeps the kernel's value and first-order gradients and takes every derivative of that
-gradient from the reference, which computes the same function in XLA.
+A kernel's VJP runs Pallas or cuDNN calls, which JAX can neither differentiate again (a
+gradient penalty, meta-learning) nor push tangents through: `jax.custom_vjp` has no
+forward mode, so `jax.jvp`, `jax.jacfwd` and `jax.hessian` would fail. In
+`kernel_then_reference` the kernel's value is a `jax.custom_jvp` whose tangent is one
+linear primitive, `kernel_tangent`: transposed (reverse mode) it is the kernel's own VJP,
+evaluated (forward mode) it is the reference's JVP, and every derivative of either is
+the reference's, which computes the same function in XLA.
 """
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
 
 
 def _is_float_array(x) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+class _Linear:
+    """One call's tangent map `t -> dF(x) t`, a static parameter of `kernel_tangent`.
+
+    Operands are flat: `primal_count` residuals and primal arrays, then the tangents.
+    `evaluate` maps them to the output's tangent; `transpose` maps the operands but the
+    tangents, and a cotangent of the output, to the tangents' cotangents. Hashed by
+    identity.
+    """
+
+    def __init__(self, evaluate: Callable, transpose: Callable, primal_count: int, out_avals):
+        self.evaluate, self.transpose = evaluate, transpose
+        self.primal_count, self.out_avals = primal_count, tuple(out_avals)
+
+    def batched(self, size: int, axes: tuple) -> "_Linear":
+        """The same map over a leading axis of `size` of every tangent and output.
+
+        Residuals are mapped where `axes` says 0; None: shared by every example, not copied.
+        """
+
+        def mapped(fn):
+            return lambda *ops: jax.vmap(fn, in_axes=(*axes, *[0] * (len(ops) - len(axes))))(*ops)
+
+        avals = [a.update(shape=(size, *a.shape)) for a in self.out_avals]
+        return _Linear(mapped(self.evaluate), mapped(self.transpose), self.primal_count, avals)
+
+
+kernel_tangent = jax.extend.core.Primitive("probjax_kernel_tangent")
+kernel_tangent.multiple_results = True
+kernel_tangent.def_impl(lambda *operands, linear: linear.evaluate(*operands))
+kernel_tangent.def_abstract_eval(lambda *avals, linear: linear.out_avals)
+mlir.register_lowering(
+    kernel_tangent,
+    mlir.lower_fun(lambda *operands, linear: linear.evaluate(*operands), multiple_results=True),
+)
+
+
+def _tangent_transpose(cts, *operands, linear: _Linear):
+    n = linear.primal_count
+    if any(ad.is_undefined_primal(x) for x in operands[:n]):
+        raise NotImplementedError("kernel_tangent is linear only in its tangents")
+    cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
+    return [None] * n + list(linear.transpose(*operands[:n], *cts))
+
+
+def _tangent_jvp(primals, tangents, *, linear: _Linear):
+    # A derivative of the first derivative: `evaluate`'s, by JAX (the reference's, for a
+    # kernel), through the residuals too.
+    out = kernel_tangent.bind(*primals, linear=linear)
+    tangents = [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in tangents]
+    _, t_out = jax.jvp(linear.evaluate, tuple(primals), tuple(tangents))
+    return out, t_out
+
+
+def _tangent_batch(operands, dims, *, linear: _Linear):
+    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+    n = linear.primal_count
+    residuals = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands[:n], dims)]
+    tangents = [  # the transpose's cotangents take their shape: every example's own
+        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(operands[n:], dims[n:])
+    ]
+    axes = tuple(None if d is None else 0 for d in dims[:n])
+    out = kernel_tangent.bind(*residuals, *tangents, linear=linear.batched(size, axes))
+    return out, [0] * len(out)
+
+
+ad.primitive_transposes[kernel_tangent] = _tangent_transpose
+ad.primitive_jvps[kernel_tangent] = _tangent_jvp
+batching.primitive_batchers[kernel_tangent] = _tangent_batch
+
+
+def linear_tangent(evaluate: Callable, transpose: Callable, residuals, tangents, out):
+    """The tangent `evaluate(residuals, tangents)` of `out`, transposed by `transpose`.
+
+    `evaluate` is linear in `tangents` (a pytree of float arrays); `transpose(residuals,
+    ct)` maps a cotangent of `out` to one of `tangents`. Both are made of differentiable
+    operations, whose derivatives serve beyond the first. A gradient keeps the arrays of
+    `residuals` until the backward: what both need, nothing more.
+    """
+    residuals, static = eqx.partition(residuals, eqx.is_array)
+    res, res_tree = jax.tree.flatten(residuals)
+    t_leaves, t_tree = jax.tree.flatten(tangents)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    n = len(res)
+
+    def evaluate_flat(*operands):
+        residuals = eqx.combine(jax.tree.unflatten(res_tree, operands[:n]), static)
+        t_out = evaluate(residuals, jax.tree.unflatten(t_tree, operands[n:]))
+        return [t.astype(o.dtype) for t, o in zip(jax.tree.leaves(t_out), out_leaves, strict=True)]
+
+    def transpose_flat(*operands):
+        residuals = eqx.combine(jax.tree.unflatten(res_tree, operands[:n]), static)
+        t_ct = transpose(residuals, jax.tree.unflatten(out_tree, operands[n:]))
+        return [c.astype(t.dtype) for c, t in zip(jax.tree.leaves(t_ct), t_leaves, strict=True)]
+
+    avals = [jax.typeof(o).update(weak_type=False) for o in out_leaves]
+    linear = _Linear(evaluate_flat, transpose_flat, n, avals)
+    return jax.tree.unflatten(out_tree, kernel_tangent.bind(*res, *t_leaves, linear=linear))
+
+
+def _split_arrays(args):
+    """`args` as (float arrays, other arrays, the rest), each a pytree of `args`' shape."""
+    diff, rest = eqx.partition(args, _is_float_array)
+    fixed, static = eqx.partition(rest, eqx.is_array)
+    return diff, fixed, static
+
+
+def jvp_of(fn: Callable) -> Callable:
+    """`fn`'s JVP as `both_modes` takes a tangent rule, with `fn`'s arguments as residuals."""
+
+    def tangent(args, tangents):
+        diff, fixed, static = _split_arrays(args)
+        return jax.jvp(lambda d: fn(*eqx.combine(d, fixed, static)), (diff,), (tangents,))[1]
+
+    return tangent
+
+
+def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable | None = None):
+    """`fn` with a custom VJP in reverse mode, and a forward mode.
+
+    `fwd(*args) -> (out, residuals)` and `bwd(residuals, ct) -> cotangent per argument`
+    (None where it has none) as `jax.custom_vjp` takes them. `tangent(residuals,
+    tangents)` is the JVP from the same residuals, `tangents` holding the float arrays'
+    tangents and None elsewhere; without it, JAX's JVP of `fn` from the arguments, which
+    a gradient then keeps too. All are made of differentiable operations: theirs are the
+    derivatives beyond the first. Floating-point arrays of `args` are differentiated;
+    integer arrays and everything else pass through.
+    """
+
+    @functools.wraps(fn)
+    def call(*args):
+        diff, fixed, static = _split_arrays(args)
+        whole = lambda diff, fixed: eqx.combine(diff, fixed, static)  # noqa: E731
+        zeros = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, d.dtype), diff)
+
+        def evaluate(residuals, t):
+            if tangent is None:
+                return jvp_of(fn)(whole(*residuals[1]), t)
+            return tangent(residuals, t)
+
+        def transpose(residuals, ct):
+            cts = bwd(residuals if tangent else residuals[0], ct)
+            # Integer arguments' cotangents (float0, None) drop out.
+            return tuple(jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), z) if c is None
+                         else eqx.filter(c, eqx.is_inexact_array)
+                         for z, c in zip(zeros, cts, strict=True))  # fmt: skip
+
+        @jax.custom_jvp
+        def run(diff, fixed):
+            return fn(*whole(diff, fixed))
+
+        @run.defjvp
+        def run_jvp(primals, tangents):
+            out, residuals = fwd(*whole(*primals))
+            residuals = residuals if tangent else (residuals, primals)
+            return out, linear_tangent(evaluate, transpose, residuals, tangents[0], out)
+
+        return run(diff, fixed)
+
+    return call
+
+
 def kernel_then_reference(kernel: Callable, reference: Callable, *args):
-    """`kernel(*args)`, differentiated once by its own VJP, beyond that via `reference`.
+    """`kernel(*args)`, with the kernel's VJP for gradients and the reference for the rest.
 
     Args:
         kernel: the function as our kernels compute it (a custom VJP of their own).
@@ -28,66 +195,68 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
             (lengths, ids) and everything else pass through.
 
     Returns:
-        `kernel(*args)`. Its gradient is the kernel's; the gradient of that gradient
-        (with respect to `args` and to the cotangent) is the reference's, in XLA, at
-        the reference's memory cost (the full score matrix).
+        `kernel(*args)`. Reverse mode (`jax.grad`, `jax.vjp`) runs the kernel's own VJP.
+        Forward mode (`jax.jvp`, `jax.jacfwd`) and every derivative of a derivative
+        (gradient penalties, Hessian-vector products either way round) are the
+        reference's, in XLA, at the reference's memory cost (the full score matrix).
     """
-    diff, rest = eqx.partition(args, _is_float_array)
-    fixed, static = eqx.partition(rest, eqx.is_array)
+    diff, fixed, static = _split_arrays(args)
 
     def closed(fn):
         return lambda diff, fixed: fn(*eqx.combine(diff, fixed, static))
 
     kernel_fn, reference_fn = closed(kernel), closed(reference)
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def pull(pullback, diff, fixed, ct):  # the kernel's gradient
         return pullback(ct)[0]
 
-    def pull_fwd(pullback, diff, fixed, ct):
-        return pullback(ct)[0], (diff, fixed, ct)
-
-    def pull_bwd(residuals, grads_ct):  # derivatives of the gradient: the reference's
-        diff, fixed, ct = residuals
+    @pull.defjvp
+    def pull_jvp(primals, tangents):  # derivatives of the gradient: the reference's
+        pullback, diff, fixed, ct = primals
+        _, t_diff, _, t_ct = tangents
 
         def reference_pull(diff, ct):
             return jax.vjp(lambda d: reference_fn(d, fixed), diff)[1](ct)[0]
 
-        d_diff, d_ct = jax.vjp(reference_pull, diff, ct)[1](grads_ct)
-        return None, d_diff, None, d_ct
+        _, t_grads = jax.jvp(reference_pull, (diff, ct), (t_diff, t_ct))
+        return pull(pullback, diff, fixed, ct), t_grads
 
-    pull.defvjp(pull_fwd, pull_bwd)
+    def evaluate(residuals, t):  # forward mode: the reference's
+        _, diff, fixed = residuals
+        return jax.jvp(lambda d: reference_fn(d, fixed), (diff,), (t,))[1]
 
-    # Integer arrays are explicit (non-differentiable) arguments: a custom_vjp must not
-    # close over tracers, or `scan` / `jit` leak them into the backward.
-    @jax.custom_vjp
+    def transpose(residuals, ct):  # reverse mode: the kernel's
+        return pull(*residuals, ct)
+
+    def tangent(pullback, out, diff, fixed, t_diff):
+        """The tangent of `out` (the kernel's, which gave `pullback`) along `t_diff`.
+
+        The arguments join the kernel's residuals for the reference's derivatives; a
+        gradient keeps them, as the kernels' VJPs keep their operands anyway.
+        """
+        return linear_tangent(evaluate, transpose, (pullback, diff, fixed), t_diff, out)
+
+    @jax.custom_jvp
+    def attach(out, pullback, diff, fixed):  # `out`, as a function of `diff`
+        return out
+
+    @attach.defjvp
+    def attach_jvp(primals, tangents):
+        out, pullback, diff, fixed = primals
+        return attach(*primals), tangent(pullback, out, diff, fixed, tangents[2])
+
+    @jax.custom_jvp
     def run(diff, fixed):
         return kernel_fn(diff, fixed)
 
-    @jax.custom_vjp
-    def attach(out, pullback, diff, fixed):  # `out`, as a function of `diff` by `pullback`
-        return out
-
-    def attach_fwd(out, pullback, diff, fixed):
-        return out, (pullback, diff, fixed)
-
-    def attach_bwd(residuals, ct):
-        pullback, diff, fixed = residuals
-        return None, None, pull(pullback, diff, fixed, ct), None
-
-    attach.defvjp(attach_fwd, attach_bwd)
-
-    def run_fwd(diff, fixed):
-        # Differentiated again (reverse over reverse), this rule must not put the kernels
-        # under JAX's JVP: it runs them on inputs whose derivatives are cut, then gives
-        # their output its derivatives back by `attach` (the kernel's VJP), and the
-        # gradient's by `pull` (the reference's).
+    @run.defjvp
+    def run_jvp(primals, tangents):
+        # Differentiated again, this rule must not put the kernels under JAX's JVP: it
+        # runs them on arguments whose derivatives are cut, then gives their output its
+        # derivatives back by `attach`, and their gradient its own by `pull`.
+        diff, fixed = primals
         out, pullback = jax.vjp(lambda d: kernel_fn(d, fixed), jax.lax.stop_gradient(diff))
-        return attach(out, pullback, diff, fixed), (pullback, diff, fixed)
+        return attach(out, pullback, diff, fixed), tangent(pullback, out, diff, fixed, tangents[0])
 
-    def run_bwd(residuals, ct):
-        pullback, diff, fixed = residuals
-        return pull(pullback, diff, fixed, ct), None
-
-    run.defvjp(run_fwd, run_bwd)
     return run(diff, fixed)

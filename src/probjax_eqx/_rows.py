@@ -3,11 +3,13 @@
 `jnp.take`'s transpose is a scatter-add, slow on GPUs (a scatter of rows into the padded
 grouped-matmul layout measured 5x slower than the gather back on the H200). When the
 index is a permutation, or each row's copies are listed, the transpose is a gather too:
-these custom VJPs use it, and call each other, so derivatives of any order stay gathers.
+these custom VJPs use it, and call each other, so reverse-mode derivatives of any order
+stay gathers (forward mode is JAX's own: gathers too).
 """
 
-import jax
 import jax.numpy as jnp
+
+from probjax_eqx._autodiff import both_modes
 
 
 def inverse_permutation(order):
@@ -30,14 +32,12 @@ def bin_counts(values, length: int):
 # other's transposes. As `x[rows]` and `.at[rows].add`, one of them is a scatter-add
 # forward and backward; here both are gathers: `slots[t]` lists the k rows holding
 # token t, and `rows[r]` is the token of row r (out of range, e.g. padding rows: none).
-@jax.custom_vjp
-def copy_to_rows(x, rows, slots):
+def _copy_to_rows(x, rows, slots):
     """`out[r] = x[rows[r]]`, zeros where `rows[r]` is out of range."""
     return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def combine_rows(ys, slots, rows, scale):
+def _combine_rows(ys, slots, rows, scale):
     """`out[t] = sum_k scale[r] * ys[r]` over the rows `r = slots[t, k]`, in float32.
 
     The rows stay in their (16-bit) dtype: each is widened and weighted inside the sum.
@@ -72,18 +72,28 @@ def _combine_rows_bwd(residuals, dout):
     return dys, None, None, dscale
 
 
-copy_to_rows.defvjp(
-    lambda x, rows, slots: (copy_to_rows(x, rows, slots), (rows, slots)), _copy_to_rows_bwd
+def _combine_rows_tangent(residuals, tangents):  # bilinear in the rows and the scale
+    ys, slots, rows, scale = residuals
+    t_ys, _, _, t_scale = tangents
+    return combine_rows(t_ys, slots, rows, scale) + combine_rows(ys, slots, rows, t_scale)
+
+
+copy_to_rows = both_modes(
+    _copy_to_rows,
+    lambda x, rows, slots: (_copy_to_rows(x, rows, slots), (rows, slots)),
+    _copy_to_rows_bwd,
+    lambda residuals, tangents: copy_to_rows(tangents[0], *residuals),
 )
-combine_rows.defvjp(
-    lambda ys, slots, rows, scale: (combine_rows(ys, slots, rows, scale),
+combine_rows = both_modes(
+    _combine_rows,
+    lambda ys, slots, rows, scale: (_combine_rows(ys, slots, rows, scale),
                                     (ys, slots, rows, scale)),
     _combine_rows_bwd,
+    _combine_rows_tangent,
 )  # fmt: skip
 
 
-@jax.custom_vjp
-def permute_rows(x, index, inverse):
+def _permute_rows(x, index, inverse):
     """`x[index]` (zeros where out of range) for an `index` taking each row at most once.
 
     `inverse` is the index that takes the rows back, so the gradient is the gather
@@ -95,7 +105,7 @@ def permute_rows(x, index, inverse):
 
 
 def _permute_rows_fwd(x, index, inverse):
-    return permute_rows(x, index, inverse), (index, inverse)
+    return _permute_rows(x, index, inverse), (index, inverse)
 
 
 def _permute_rows_bwd(residuals, dout):
@@ -103,4 +113,9 @@ def _permute_rows_bwd(residuals, dout):
     return permute_rows(dout, inverse, index), None, None
 
 
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+permute_rows = both_modes(
+    _permute_rows,
+    _permute_rows_fwd,
+    _permute_rows_bwd,
+    lambda residuals, tangents: permute_rows(tangents[0], *residuals),
+)

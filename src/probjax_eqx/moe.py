@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from probjax_eqx._autodiff import kernel_then_reference
+from probjax_eqx._autodiff import both_modes, jvp_of, kernel_then_reference
 from probjax_eqx._inputs import check_width
 from probjax_eqx._rows import (
     bin_counts,
@@ -201,25 +201,23 @@ def _tgmm_vmap(axis_size, in_batched, lhs, dout, group_sizes):
     return out.reshape(batch, group_sizes.shape[1], k, -1), True
 
 
-# Both products are bilinear and each one's VJP is made of the two: derivatives of any
-# order in reverse mode, under vmap too.
-@jax.custom_vjp
-def _xla_grouped_matmul(lhs, rhs, group_sizes):
-    return _gmm(lhs, rhs, group_sizes)
-
-
-@jax.custom_vjp
-def _xla_transposed_grouped_matmul(lhs, dout, group_sizes):
-    return _tgmm(lhs, dout, group_sizes)
-
-
+# Both products are bilinear and each one's VJP and JVP are made of the two: derivatives
+# of any order in either mode, under vmap too, never through `custom_vmap` (which has no
+# reverse mode).
 def _forward_rule(product):
-    """The VJP's forward rule of `product`: its operands are the residuals.
-
-    It computes the product through its custom VJP itself, so that an outer derivative
-    meets the custom VJP again, never `custom_vmap` (which has no reverse mode).
-    """
+    """The VJP's forward rule of `product`: its operands are the residuals."""
     return lambda *operands: (product(*operands), operands)
+
+
+def _bilinear_tangent(product):
+    """The JVP of the bilinear `product(a, b, group_sizes)`, through `product` itself."""
+
+    def tangent(operands, tangents):
+        a, b, sizes = operands
+        ta, tb, _ = tangents
+        return product(ta.astype(a.dtype), b, sizes) + product(a, tb.astype(b.dtype), sizes)
+
+    return tangent
 
 
 def _grouped_matmul_bwd(residuals, dout):
@@ -236,9 +234,17 @@ def _transposed_grouped_matmul_bwd(residuals, ct):
     return dlhs.astype(lhs.dtype), ddout.astype(dout.dtype), None
 
 
-_xla_grouped_matmul.defvjp(_forward_rule(_xla_grouped_matmul), _grouped_matmul_bwd)
-_xla_transposed_grouped_matmul.defvjp(
-    _forward_rule(_xla_transposed_grouped_matmul), _transposed_grouped_matmul_bwd
+_xla_grouped_matmul = both_modes(
+    _gmm,
+    _forward_rule(lambda *a: _xla_grouped_matmul(*a)),
+    _grouped_matmul_bwd,
+    _bilinear_tangent(lambda *a: _xla_grouped_matmul(*a)),
+)
+_xla_transposed_grouped_matmul = both_modes(
+    _tgmm,
+    _forward_rule(lambda *a: _xla_transposed_grouped_matmul(*a)),
+    _transposed_grouped_matmul_bwd,
+    _bilinear_tangent(lambda *a: _xla_transposed_grouped_matmul(*a)),
 )
 
 
@@ -465,27 +471,25 @@ def _select_columns(num_columns: int, x, indices):
     return jnp.stack([jnp.sum(jnp.where(hit, x, 0), axis=-1) for hit in hits], axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _columns(num_columns: int, scores, indices):
-    """`_select_columns`, whose backward keeps the indices alone.
-
-    Autodiff kept each pass's selected copy of the scores and its mask: 2.5 GiB at 1M
-    tokens, 64 experts, top-8.
-    """
-    return _select_columns(num_columns, scores, indices)
-
-
 def _columns_fwd(num_columns: int, scores, indices):
-    return _select_columns(num_columns, scores, indices), indices
+    return _select_columns(num_columns, scores, indices), (num_columns, indices)
 
 
-def _columns_bwd(num_columns: int, indices, d_values):
+def _columns_bwd(residuals, d_values):
+    num_columns, indices = residuals
     hits = _hits(num_columns, indices)
     d_scores = sum(jnp.where(hit, d_values[..., j, None], 0) for j, hit in enumerate(hits))
-    return jnp.asarray(d_scores, d_values.dtype), None
+    return None, jnp.asarray(d_scores, d_values.dtype), None
 
 
-_columns.defvjp(_columns_fwd, _columns_bwd)
+# `_select_columns`, whose backward keeps the indices alone. Autodiff kept each pass's
+# selected copy of the scores and its mask: 2.5 GiB at 1M tokens, 64 experts, top-8.
+_columns = both_modes(
+    _select_columns,
+    _columns_fwd,
+    _columns_bwd,
+    lambda residuals, tangents: _columns(residuals[0], tangents[1], residuals[1]),
+)
 
 
 def resolve_inference_dispatch(request: str | None, dispatch_mode: str) -> str | None:
@@ -507,18 +511,17 @@ def forward_or_vjp(forward, differentiable, *args):
     faster train step. Their values differ by rounding only.
     """
 
-    @jax.custom_vjp
-    def call(*args):
-        return forward(*args)
-
     def fwd(*args):
-        return jax.vjp(differentiable, *args)  # the VJP closure is a pytree: residuals
+        out, vjp = jax.vjp(differentiable, *args)  # the VJP closure is a pytree
+        return out, (vjp, args)
 
-    def bwd(vjp, ct):
-        return vjp(ct)
+    def bwd(residuals, ct):
+        return residuals[0](ct)
 
-    call.defvjp(fwd, bwd)
-    return call(*args)
+    def tangent(residuals, tangents):
+        return jvp_of(differentiable)(residuals[1], tangents)
+
+    return both_modes(forward, fwd, bwd, tangent)(*args)
 
 
 class MoEAux(eqx.Module):
@@ -606,16 +609,16 @@ def swiglu(h13: Array, d_ff: int) -> Array:
     return _swiglu(h13, d_ff)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _swiglu(h13, d_ff: int):
+def _swiglu_value(h13, d_ff: int):
     return jax.nn.silu(h13[:, :d_ff]) * h13[:, d_ff : 2 * d_ff]
 
 
 def _swiglu_fwd(h13, d_ff: int):
-    return _swiglu(h13, d_ff), h13
+    return _swiglu_value(h13, d_ff), (h13, d_ff)
 
 
-def _swiglu_bwd(d_ff: int, h13, dout):
+def _swiglu_bwd(residuals, dout):
+    h13, d_ff = residuals
     gate = h13[:, :d_ff].astype(jnp.float32)
     up = h13[:, d_ff : 2 * d_ff].astype(jnp.float32)
     sig = jax.nn.sigmoid(gate)
@@ -623,10 +626,15 @@ def _swiglu_bwd(d_ff: int, h13, dout):
     dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))  # d silu(g) / dg
     dup = dout * gate * sig
     pad = jnp.zeros((h13.shape[0], h13.shape[1] - 2 * d_ff), jnp.float32)
-    return (jnp.concatenate([dgate, dup, pad], axis=1).astype(h13.dtype),)
+    return jnp.concatenate([dgate, dup, pad], axis=1).astype(h13.dtype), None
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+def _swiglu_tangent(residuals, tangents):
+    h13, d_ff = residuals
+    return jax.jvp(lambda h: _swiglu_value(h, d_ff), (h13,), (tangents[0],))[1]
+
+
+_swiglu = both_modes(_swiglu_value, _swiglu_fwd, _swiglu_bwd, _swiglu_tangent)
 
 
 def gmm_product(gmm) -> triton_gmm.GroupedProduct:
@@ -652,12 +660,11 @@ def matmul_of_copies(x, rhs, rows, slots, aux, product: triton_gmm.GroupedProduc
     512), and the gather is one pass over them.
     """
 
-    @jax.custom_vjp
-    def run(x, rhs, rows, slots, aux):
+    def value(x, rhs, rows, slots, aux):
         return product.call(copy_to_rows(x, rows, slots), rhs, aux)
 
     def run_fwd(*args):
-        return run(*args), args
+        return value(*args), args
 
     def run_bwd(residuals, dout):
         x, rhs, rows, slots, aux = residuals
@@ -666,8 +673,7 @@ def matmul_of_copies(x, rhs, rows, slots, aux, product: triton_gmm.GroupedProduc
         dx = sum_copies(dcopies, rows, slots).astype(x.dtype)
         return dx, product.rhs_vjp(copies, rhs, aux, dout), None, None, None
 
-    run.defvjp(run_fwd, run_bwd)
-    return run(x, rhs, rows, slots, aux)
+    return both_modes(value, run_fwd, run_bwd, jvp_of(value))(x, rhs, rows, slots, aux)
 
 
 def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.GroupedProduct):
@@ -680,12 +686,11 @@ def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.Groupe
     backward at 1M tokens took 24 ms more than its matmuls, run 34).
     """
 
-    @jax.custom_vjp
-    def run(lhs, rhs, aux, scale, slots, rows):
+    def value(lhs, rhs, aux, scale, slots, rows):
         return combine_rows(product.call(lhs, rhs, aux), slots, rows, scale)
 
     def run_fwd(*args):
-        return run(*args), args
+        return value(*args), args
 
     def run_bwd(residuals, dout):
         lhs, rhs, aux, scale, slots, rows = residuals
@@ -696,8 +701,7 @@ def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.Groupe
         drhs = product.rhs_vjp(weighted, rhs, aux, per_row)
         return dlhs, drhs, None, dscale.astype(scale.dtype), None, None
 
-    run.defvjp(run_fwd, run_bwd)
-    return run(lhs, rhs, aux, scale, slots, rows)
+    return both_modes(value, run_fwd, run_bwd, jvp_of(value))(lhs, rhs, aux, scale, slots, rows)
 
 
 def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
