@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from _check import check_against_oracle, float_row_scatters
+from _check import check_against_oracle, check_higher_derivatives, float_row_scatters
 from _parallel import mesh_of, ring
 from _tolerance import assert_close
-from probjax_eqx import Attention, MoE, UnsupportedError, masks
+from probjax_eqx import Attention, MoE, UnsupportedError, dot_product_attention, masks
 from probjax_eqx import expert_parallel as ep
 from probjax_eqx import moe as moe_module
 from probjax_eqx.expert_parallel import expert_parallel_moe
@@ -69,6 +69,19 @@ def test_ring_attention_on_our_kernels(getkey, impl, config, dtype, devices):
     q, k, v, ct = _qkv(getkey, 1, 48, 2, 1, 16, dtype)
     f = ring(mesh, "zigzag", True, implementation=impl, config=config)
     check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_attention_higher_derivatives(getkey, layout):
+    """Beyond the ring's first-order VJP (forward mode, a gradient penalty, Hessian-vector
+    products either way round): one device's, through the gathered-key reference."""
+    mesh = mesh_of(context=4)
+    q, k, v, _ = _qkv(getkey, 1, 16, 2, 1, 8, jnp.float32)
+    f = ring(
+        mesh, layout, True, implementation="triton", config=TritonAttentionConfig(interpret=True)
+    )
+    one = lambda q, k, v: dot_product_attention(q, k, v, mask=masks.Causal(), implementation="xla")  # noqa: E731
+    check_higher_derivatives(f, one, q, k, v)
 
 
 def test_ring_attention_refuses_cudnn_by_name(getkey):

@@ -25,6 +25,7 @@ forward that returns the log-sum-exp and a backward that takes it (`"triton"`,
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -36,9 +37,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from probjax_eqx._autodiff import kernel_then_reference
 from probjax_eqx.attention_call import AttentionCall
 from probjax_eqx.backends import Backend, UnsupportedError, implementations, resolve
-from probjax_eqx.masks import Causal
+from probjax_eqx.kernels.reference.attention import XlaAttention, XlaAttentionConfig
+from probjax_eqx.masks import Causal, DenseMask
 
 Layout = Literal["contiguous", "zigzag"]
 _NO_BLOCKS = "its kernels expose no forward-with-lse / backward-given-lse entry points"
@@ -269,7 +272,26 @@ def ring_attention(
         return _ring_backward(ring, q, k, v, o, lse, do)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(q, k, v)
+    return kernel_then_reference(run, functools.partial(_gathered_reference, ring), q, k, v)
+
+
+def _gathered_reference(ring: _Ring, q, k, v):
+    """The ring's attention in XLA: every device's keys gathered, masked by global positions.
+
+    Forward mode and derivatives beyond the first gradient come from it.
+    """
+    k, v = (jax.lax.all_gather(x, ring.axis_name, axis=1, tiled=True) for x in (k, v))
+    mask = None
+    if ring.causal:
+        length = k.shape[1]
+        order = zigzag_permutation(length, ring.size) if ring.layout == "zigzag" else None
+        positions = jnp.arange(length) if order is None else jnp.asarray(order)
+        shard = q.shape[1]
+        start = jax.lax.axis_index(ring.axis_name) * shard
+        mine = jax.lax.dynamic_slice_in_dim(positions, start, shard)
+        mask = DenseMask((mine[:, None] >= positions[None, :])[None, None])
+    return XlaAttention()(q, k, v, mask=mask, score_mod=None, scale=ring.scale,
+                          config=XlaAttentionConfig())  # fmt: skip
 
 
 def context_parallel_attention(
