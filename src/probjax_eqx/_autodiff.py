@@ -131,7 +131,7 @@ def _split_arrays(args):
 
 
 def jvp_of(fn: Callable) -> Callable:
-    """`fn`'s JVP as `both_modes` takes a tangent rule, with `fn`'s arguments as residuals."""
+    """`fn`'s JVP as a `both_modes` tangent rule whose residuals are `fn`'s arguments."""
 
     def tangent(args, tangents):
         diff, fixed, static = _split_arrays(args)
@@ -140,16 +140,16 @@ def jvp_of(fn: Callable) -> Callable:
     return tangent
 
 
-def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable | None = None):
+def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable):
     """`fn` with a custom VJP in reverse mode, and a forward mode.
 
     `fwd(*args) -> (out, residuals)` and `bwd(residuals, ct) -> cotangent per argument`
     (None where it has none) as `jax.custom_vjp` takes them. `tangent(residuals,
-    tangents)` is the JVP from the same residuals, `tangents` holding the float arrays'
-    tangents and None elsewhere; without it, JAX's JVP of `fn` from the arguments, which
-    a gradient then keeps too. All are made of differentiable operations: theirs are the
-    derivatives beyond the first. Floating-point arrays of `args` are differentiated;
-    integer arrays and everything else pass through.
+    tangents)` is the JVP from the same residuals (`jvp_of(fn)` where they are the
+    arguments), `tangents` holding the float arrays' tangents and None elsewhere. All
+    are made of differentiable operations: theirs are the derivatives beyond the first.
+    Floating-point arrays of `args` are differentiated; integer arrays and everything
+    else pass through.
     """
 
     @functools.wraps(fn)
@@ -158,13 +158,8 @@ def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable | N
         whole = lambda diff, fixed: eqx.combine(diff, fixed, static)  # noqa: E731
         zeros = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, d.dtype), diff)
 
-        def evaluate(residuals, t):
-            if tangent is None:
-                return jvp_of(fn)(whole(*residuals[1]), t)
-            return tangent(residuals, t)
-
         def transpose(residuals, ct):
-            cts = bwd(residuals if tangent else residuals[0], ct)
+            cts = bwd(residuals, ct)
             # Integer arguments' cotangents (float0, None) drop out.
             return tuple(jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), z) if c is None
                          else eqx.filter(c, eqx.is_inexact_array)
@@ -177,8 +172,7 @@ def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable | N
         @run.defjvp
         def run_jvp(primals, tangents):
             out, residuals = fwd(*whole(*primals))
-            residuals = residuals if tangent else (residuals, primals)
-            return out, linear_tangent(evaluate, transpose, residuals, tangents[0], out)
+            return out, linear_tangent(tangent, transpose, residuals, tangents[0], out)
 
         return run(diff, fixed)
 

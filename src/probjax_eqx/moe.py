@@ -663,17 +663,17 @@ def matmul_of_copies(x, rhs, rows, slots, aux, product: triton_gmm.GroupedProduc
     def value(x, rhs, rows, slots, aux):
         return product.call(copy_to_rows(x, rows, slots), rhs, aux)
 
-    def run_fwd(*args):
+    def fwd(*args):
         return value(*args), args
 
-    def run_bwd(residuals, dout):
+    def bwd(residuals, dout):
         x, rhs, rows, slots, aux = residuals
         copies = copy_to_rows(x, rows, slots)
         dcopies = product.lhs_vjp(copies, rhs, aux, dout)
         dx = sum_copies(dcopies, rows, slots).astype(x.dtype)
         return dx, product.rhs_vjp(copies, rhs, aux, dout), None, None, None
 
-    return both_modes(value, run_fwd, run_bwd, jvp_of(value))(x, rhs, rows, slots, aux)
+    return both_modes(value, fwd, bwd, jvp_of(value))(x, rhs, rows, slots, aux)
 
 
 def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.GroupedProduct):
@@ -689,10 +689,10 @@ def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.Groupe
     def value(lhs, rhs, aux, scale, slots, rows):
         return combine_rows(product.call(lhs, rhs, aux), slots, rows, scale)
 
-    def run_fwd(*args):
+    def fwd(*args):
         return value(*args), args
 
-    def run_bwd(residuals, dout):
+    def bwd(residuals, dout):
         lhs, rhs, aux, scale, slots, rows = residuals
         per_row = copy_to_rows(dout.astype(lhs.dtype), rows, slots)  # padding rows: zeros
         u = product.lhs_vjp(lhs, rhs, aux, per_row)
@@ -701,7 +701,7 @@ def matmul_combine(lhs, rhs, aux, scale, slots, rows, product: triton_gmm.Groupe
         drhs = product.rhs_vjp(weighted, rhs, aux, per_row)
         return dlhs, drhs, None, dscale.astype(scale.dtype), None, None
 
-    return both_modes(value, run_fwd, run_bwd, jvp_of(value))(lhs, rhs, aux, scale, slots, rows)
+    return both_modes(value, fwd, bwd, jvp_of(value))(lhs, rhs, aux, scale, slots, rows)
 
 
 def _padded_routing(group_sizes, token_of, sorted_weights, tokens: int, block_m: int):
