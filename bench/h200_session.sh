@@ -21,7 +21,8 @@
 # shapes without that route; run 119 ran 62 and 63, run 120 64;
 # run 121 ran 1, cut at 92 of 111 tests (since split into 1 and 65); runs 122-126 ran
 # 68 with 69, 67, 1, 65 and 23 (run 127: 69's probe at the ISAB shape; run 128: the
-# vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66.
+# vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66; runs 130-132
+# (outside the stages) tested and fingerprinted the custom_jvp autodiff.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
