@@ -248,7 +248,8 @@ class KernelImplementation(Protocol):
     To add a backend: declare `name`, write `check(call, device, config)` returning the
     first reason it cannot compute `call` exactly (or `None`), `default_config(call, device)`,
     and a `__call__` taking the op's canonical arguments plus `config`, with forward
-    and backward under one `jax.custom_vjp`. Then list its name in `DEVICE_DEFAULTS`
+    and backward under one `jax.custom_vjp` (the op's `kernel_then_reference` adds
+    forward mode and higher derivatives). Then list its name in `DEVICE_DEFAULTS`
     and in the op's implementation table. An optional `auto_config(call, device)` is
     the config automatic selection runs, where it may join another backend's kernels
     (Mosaic attention's split-KV Triton forward); asked for by name, an implementation
