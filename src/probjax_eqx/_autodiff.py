@@ -26,15 +26,14 @@ def _is_float_array(x) -> bool:
 class _Linear:
     """One call's tangent map `t -> dF(x) t`, a static parameter of `kernel_tangent`.
 
-    Operands are flat: `primal_count` residuals and primal arrays, then the tangents.
-    `evaluate` maps them to the output's tangent; `transpose` maps the operands but the
-    tangents, and a cotangent of the output, to the tangents' cotangents. Hashed by
-    identity.
+    Operands are flat: `residual_count` residual arrays, then the tangents. `evaluate`
+    maps them to the output's tangent; `transpose` maps the residuals and a cotangent of
+    the output to the tangents' cotangents. Hashed by identity.
     """
 
-    def __init__(self, evaluate: Callable, transpose: Callable, primal_count: int, out_avals):
+    def __init__(self, evaluate: Callable, transpose: Callable, residual_count: int, out_avals):
         self.evaluate, self.transpose = evaluate, transpose
-        self.primal_count, self.out_avals = primal_count, tuple(out_avals)
+        self.residual_count, self.out_avals = residual_count, tuple(out_avals)
 
     def batched(self, size: int, axes: tuple) -> "_Linear":
         """The same map over a leading axis of `size` of every tangent and output.
@@ -46,7 +45,7 @@ class _Linear:
             return lambda *ops: jax.vmap(fn, in_axes=(*axes, *[0] * (len(ops) - len(axes))))(*ops)
 
         avals = [a.update(shape=(size, *a.shape)) for a in self.out_avals]
-        return _Linear(mapped(self.evaluate), mapped(self.transpose), self.primal_count, avals)
+        return _Linear(mapped(self.evaluate), mapped(self.transpose), self.residual_count, avals)
 
 
 kernel_tangent = jax.extend.core.Primitive("probjax_kernel_tangent")
@@ -60,7 +59,7 @@ mlir.register_lowering(
 
 
 def _tangent_transpose(cts, *operands, linear: _Linear):
-    n = linear.primal_count
+    n = linear.residual_count
     if any(ad.is_undefined_primal(x) for x in operands[:n]):
         raise NotImplementedError("kernel_tangent is linear only in its tangents")
     cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
@@ -78,7 +77,7 @@ def _tangent_jvp(primals, tangents, *, linear: _Linear):
 
 def _tangent_batch(operands, dims, *, linear: _Linear):
     size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
-    n = linear.primal_count
+    n = linear.residual_count
     residuals = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands[:n], dims)]
     tangents = [  # the transpose's cotangents take their shape: every example's own
         jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
@@ -156,14 +155,13 @@ def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable):
     def call(*args):
         diff, fixed, static = _split_arrays(args)
         whole = lambda diff, fixed: eqx.combine(diff, fixed, static)  # noqa: E731
-        zeros = jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape, d.dtype), diff)
 
         def transpose(residuals, ct):
             cts = bwd(residuals, ct)
             # Integer arguments' cotangents (float0, None) drop out.
-            return tuple(jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), z) if c is None
+            return tuple(jax.tree.map(lambda d: jnp.zeros(d.shape, d.dtype), d) if c is None
                          else eqx.filter(c, eqx.is_inexact_array)
-                         for z, c in zip(zeros, cts, strict=True))  # fmt: skip
+                         for d, c in zip(diff, cts, strict=True))  # fmt: skip
 
         @jax.custom_jvp
         def run(diff, fixed):
