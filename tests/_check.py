@@ -75,20 +75,18 @@ def check_higher_derivatives(f, reference, *args, dtype=jnp.float32, tf32=False)
 
         return jax.value_and_grad(grad_norm, argnums=argnums)
 
-    def forward(fn):  # forward mode
-        return lambda *a: jax.jvp(fn, a, tangents)
-
     def hessian_vector(fn):  # forward over reverse
         return lambda *a: jax.jvp(jax.grad(loss(fn), argnums=argnums), a, tangents)[1]
 
-    def jvp_gradient(fn):  # reverse over forward
+    def forward_then_gradient(fn):  # forward mode's value and tangent, then reverse over it
         def square(*a):
-            tangent = forward(fn)(*a)[1]
-            return sum(jnp.sum(t.astype(jnp.float32) ** 2) for t in jax.tree.leaves(tangent))
+            out, tangent = jax.jvp(fn, a, tangents)
+            t_sum = sum(jnp.sum(t.astype(jnp.float32) ** 2) for t in jax.tree.leaves(tangent))
+            return t_sum, (out, tangent)
 
-        return jax.grad(square, argnums=argnums)
+        return jax.grad(square, argnums=argnums, has_aux=True)
 
-    for transform in (penalty, forward, hessian_vector, jvp_gradient):
+    for transform in (penalty, hessian_vector, forward_then_gradient):
         got, want = (jax.jit(transform(fn))(*args) for fn in (f, reference))
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             g, w = (np.asarray(a, np.float32) for a in (g, w))
