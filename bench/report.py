@@ -26,6 +26,7 @@ DEFAULTS = {
     "moe": "probjax moe auto",
     "set_transformer": "probjax auto",
     "dit": "dit auto",
+    "forward_mode": "probjax auto",
 }
 _REQUIRED = {"suite": str, "implementation": str, "shape": dict, "dtype": str, "status": str}
 
@@ -180,7 +181,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         by_suite[case[0]].append(case)
     for suite in sorted(by_suite):
         lines += [f"## {suite}", ""]
-        memory = suite == "moe"
+        memory = suite in ("moe", "forward_mode")
         header = "| case | implementation | status | fwd ms | fwd+bwd / step ms | TFLOP/s | ratio |"
         lines += [
             header + (" plan GiB |" if memory else "") + " run |",

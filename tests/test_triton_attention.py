@@ -493,3 +493,88 @@ def test_jacfwd_through_the_kernels(getkey):
         got = jax.jit(transform(attend("triton", CFG)))(t)
         want = transform(attend("xla", None))(t)
         assert_close(got, want, jnp.float32, grad=True)
+
+
+@pytest.fixture
+def tangent_kernel_calls(monkeypatch):
+    """Calls of Triton's forward-mode kernel (`flash_tangent`) made while a test runs."""
+    calls = []
+    run = triton_attention.flash_tangent
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["mask"])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "flash_tangent", counted)
+    return calls
+
+
+def check_tangent(q, k, v, tangents, mask=None, score_mod=None, config=CFG):
+    """`jax.jvp` through the kernels against the float32 oracle's; returns the tangent."""
+    f = lambda q, k, v: run_triton(q, k, v, mask, score_mod, config)  # noqa: E731
+    g = lambda q, k, v: oracle(q, k, v, mask, score_mod)  # noqa: E731
+    out, tangent = jax.jvp(f, (q, k, v), tangents)
+    up = [x.astype(jnp.float32) for x in (q, k, v, *tangents)]
+    want_out, want = jax.jvp(g, tuple(up[:3]), tuple(up[3:]))
+    assert tangent.dtype == q.dtype
+    assert np.all(np.isfinite(np.asarray(tangent, np.float32)))
+    assert_close(out, want_out, q.dtype)
+    assert_close(tangent, want, q.dtype, grad=True)
+    return tangent
+
+
+@pytest.mark.parametrize("name", sorted(set(MASKS)))
+def test_forward_mode_kernel_over_masks(getkey, tangent_kernel_calls, name):
+    """`jax.jvp` runs the one-pass tangent kernel, no score matrix, and equals the oracle's
+    tangent under every mask (GQA, lengths off the tiles, rows without a valid key)."""
+    q, k, v = make_qkv(getkey(), v_dim=12)
+    tangents = make_qkv(getkey(), v_dim=12)
+    check_tangent(q, k, v, tangents, MASKS[name])
+    assert len(tangent_kernel_calls) == 1
+
+
+def test_forward_mode_kernel_16_bit_score_mods_and_empty_rows(getkey, tangent_kernel_calls):
+    """bf16 at lengths past one tile with Lq != Lkv, score mods without parameters (their
+    slope scales the scores' tangent), and zeros where a row has no valid key."""
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=37, dtype=jnp.bfloat16)
+    tangents = make_qkv(getkey(), q_len=20, kv_len=37, dtype=jnp.bfloat16)
+    mod = biases.Compose(
+        (
+            biases.ScoreFn(lambda s, b, h, qi, ki: s - 0.3 * jnp.abs(qi - ki).astype(s.dtype)),
+            biases.SoftCap(1.5),
+        )
+    )
+    check_tangent(q, k, v, tangents, masks.Causal("bottom_right"), mod)
+    empty = masks.KVLengths(jnp.array([0, 37])) & masks.QLengths(jnp.array([20, 6]))
+    tangent = check_tangent(q, k, v, tangents, empty)
+    np.testing.assert_array_equal(np.asarray(tangent[0], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(tangent[1, 6:], np.float32), 0.0)
+    assert len(tangent_kernel_calls) == 2
+
+
+def test_forward_mode_kernel_under_vmap_and_parameters_by_reference(getkey, tangent_kernel_calls):
+    """Under `vmap` (an unbatched module's call) the tangent kernel runs once over the
+    folded batch; a score mod with parameters (ALiBi's slopes) takes the reference's JVP,
+    which has their tangents too."""
+    q, k, v = make_qkv(getkey(), q_heads=2, kv_heads=2)
+    tangents = make_qkv(getkey(), q_heads=2, kv_heads=2)
+
+    def unbatched(f):
+        return jax.vmap(lambda *a: f(*(x[None] for x in a))[0])
+
+    f = unbatched(lambda q, k, v: run_triton(q, k, v, masks.Causal()))
+    g = unbatched(lambda q, k, v: oracle(q, k, v, masks.Causal()))
+    got = jax.jit(lambda p, t: jax.jvp(f, p, t)[1])((q, k, v), tangents)
+    assert_close(got, jax.jvp(g, (q, k, v), tangents)[1], jnp.float32, grad=True)
+    assert len(tangent_kernel_calls) == 1
+
+    def with_alibi(slopes):
+        return run_triton(q, k, v, masks.Causal(), biases.ALiBi(slopes))
+
+    def oracle_alibi(slopes):
+        return oracle(q, k, v, masks.Causal(), biases.ALiBi(slopes))
+
+    slopes, t_slopes = jnp.array([0.5, 0.25]), jnp.array([1.0, -2.0])
+    got = jax.jvp(with_alibi, (slopes,), (t_slopes,))[1]
+    assert_close(got, jax.jvp(oracle_alibi, (slopes,), (t_slopes,))[1], jnp.float32, grad=True)
+    assert len(tangent_kernel_calls) == 1  # the reference's

@@ -177,7 +177,9 @@ def both_modes(fn: Callable, fwd: Callable, bwd: Callable, tangent: Callable):
     return call
 
 
-def kernel_then_reference(kernel: Callable, reference: Callable, *args):
+def kernel_then_reference(
+    kernel: Callable, reference: Callable, *args, tangent: Callable | None = None
+):
     """`kernel(*args)`, with the kernel's VJP for gradients and the reference for the rest.
 
     Args:
@@ -185,12 +187,16 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
         reference: the same function in pure JAX (differentiable to any order).
         *args: pytrees; their floating-point arrays are differentiated, integer arrays
             (lengths, ids) and everything else pass through.
+        tangent: `tangent(args, tangents)`, forward mode's kernel: the output's tangent,
+            `tangents` shaped as `args` (None where an array has none). Without it, the
+            reference's JVP.
 
     Returns:
-        `kernel(*args)`. Reverse mode (`jax.grad`, `jax.vjp`) runs the kernel's own VJP.
-        Forward mode (`jax.jvp`, `jax.jacfwd`) and every derivative of a derivative
-        (gradient penalties, Hessian-vector products either way round) are the
-        reference's, in XLA, at the reference's memory cost (the full score matrix).
+        `kernel(*args)`. Reverse mode (`jax.grad`, `jax.vjp`) runs the kernel's own VJP;
+        forward mode (`jax.jvp`, `jax.jacfwd`) runs `tangent`. Every derivative of a
+        derivative (gradient penalties, Hessian-vector products either way round) is
+        the reference's, in XLA, at the reference's memory cost (the full score matrix),
+        and so is forward mode without `tangent`.
     """
     diff, fixed, static = _split_arrays(args)
 
@@ -198,6 +204,18 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
         return lambda diff, fixed: fn(*eqx.combine(diff, fixed, static))
 
     kernel_fn, reference_fn = closed(kernel), closed(reference)
+
+    def reference_tangent(diff, fixed, t):
+        return jax.jvp(lambda d: reference_fn(d, fixed), (diff,), (t,))[1]
+
+    @jax.custom_jvp
+    def kernel_tangent_of(diff, fixed, t):
+        assert tangent is not None
+        return tangent(eqx.combine(diff, fixed, static), t)
+
+    @kernel_tangent_of.defjvp
+    def kernel_tangent_jvp(primals, tangents):  # derivatives of the tangent: the reference's
+        return kernel_tangent_of(*primals), jax.jvp(reference_tangent, primals, tangents)[1]
 
     @jax.custom_jvp
     def pull(pullback, diff, fixed, ct):  # the kernel's gradient
@@ -214,14 +232,14 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
         _, t_grads = jax.jvp(reference_pull, (diff, ct), (t_diff, t_ct))
         return pull(pullback, diff, fixed, ct), t_grads
 
-    def evaluate(residuals, t):  # forward mode: the reference's
+    def evaluate(residuals, t):  # forward mode
         _, diff, fixed = residuals
-        return jax.jvp(lambda d: reference_fn(d, fixed), (diff,), (t,))[1]
+        return (reference_tangent if tangent is None else kernel_tangent_of)(diff, fixed, t)
 
     def transpose(residuals, ct):  # reverse mode: the kernel's
         return pull(*residuals, ct)
 
-    def tangent(pullback, out, diff, fixed, t_diff):
+    def out_tangent(pullback, out, diff, fixed, t_diff):
         """The tangent of `out` (the kernel's, which gave `pullback`) along `t_diff`.
 
         The arguments join the kernel's residuals for the reference's derivatives; a
@@ -236,7 +254,7 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
     @attach.defjvp
     def attach_jvp(primals, tangents):
         out, pullback, diff, fixed = primals
-        return attach(*primals), tangent(pullback, out, diff, fixed, tangents[2])
+        return attach(*primals), out_tangent(pullback, out, diff, fixed, tangents[2])
 
     @jax.custom_jvp
     def run(diff, fixed):
@@ -249,6 +267,8 @@ def kernel_then_reference(kernel: Callable, reference: Callable, *args):
         # derivatives back by `attach`, and their gradient its own by `pull`.
         diff, fixed = primals
         out, pullback = jax.vjp(lambda d: kernel_fn(d, fixed), jax.lax.stop_gradient(diff))
-        return attach(out, pullback, diff, fixed), tangent(pullback, out, diff, fixed, tangents[0])
+        return attach(out, pullback, diff, fixed), out_tangent(
+            pullback, out, diff, fixed, tangents[0]
+        )
 
     return run(diff, fixed)

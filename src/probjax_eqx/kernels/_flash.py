@@ -111,6 +111,8 @@ class FlashKernels:
     costs more than its data).
 
     `pack`: the query heads of each KV head run as rows of one tile (`pack_rows`).
+    `tangent(qp, kp, vp, tqp, tkp, tvp, fwd_ranges, operands) -> to`: forward mode's
+    kernel on padded operands and tangents, where the family has one (`pack` 1).
     """
 
     forward: Callable
@@ -123,6 +125,7 @@ class FlashKernels:
     dv_pad: int
     direct: bool = False
     pack: int = 1
+    tangent: Callable | None = None
 
     def _rows_in(self, x, width: int):
         """Caller's `[b, q, heads, c]` -> the kernels' packed, padded rows."""
@@ -156,6 +159,14 @@ class FlashKernels:
         d, lk = q.shape[3], k.shape[1]
         dq = self._rows_out(dq, q.shape[1], d)
         return dq, dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]], doperands
+
+    def output_tangent(self, q, k, v, tq, tk, tv):
+        """The output's tangent along `(tq, tk, tv)`, in the caller's shape."""
+        if self.tangent is None or self.pack != 1:
+            raise ValueError("these kernels have no forward-mode kernel (packed rows?)")
+        to = self.tangent(*self._pad(q, k, v), *self._pad(tq, tk, tv), self.ranges["fwd"],
+                          self.operands)  # fmt: skip
+        return self._rows_out(to, q.shape[1], v.shape[3])
 
     def output(self, q, k, v):
         """The output alone: nothing runs on the log-sum-exp (a call not differentiated)."""
@@ -228,6 +239,24 @@ def run_call(forward_kernels: Callable, backward_kernels: Callable, q, k, v, mas
 
     return attend(of_operands(forward_kernels), of_operands(backward_kernels), kinds, q, k, v,
                   operands)  # fmt: skip
+
+
+def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod):
+    """The tangent of `run_call`'s output along `(tq, tk, tv)`, by a forward-mode kernel.
+
+    `tangent_kernels(q, k, v, mask, score_mod)` builds `FlashKernels` with a `tangent`.
+    The mask and score mod are fixed: their arrays have no tangent here.
+    """
+    batch, q_len, heads, _ = q.shape
+    operands, kinds, restore = _tiles.canonical(
+        mask, score_mod, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[1]
+    )
+
+    def tangent(q, k, v, tq, tk, tv, operands):
+        kernels = tangent_kernels(q, k, v, *restore(operands))
+        return kernels.output_tangent(q, k, v, tq, tk, tv)
+
+    return _fold_vmap(tangent, kinds, leading=6)(q, k, v, tq, tk, tv, tuple(operands))
 
 
 def attend(forward_blocks: Callable, backward_blocks: Callable, kinds, q, k, v, operands):

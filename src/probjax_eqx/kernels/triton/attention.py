@@ -632,6 +632,70 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
 
 
+def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Static, build):
+    """The output's tangent along `(tq, tk, tv)` in one pass over the keys (forward mode).
+
+    With `p = softmax(s)` and `t` the scores' tangent, `to = p tv + (p * t) v - o
+    rowsum(p * t)`: three sums rescaled online as the forward's output is, so no score
+    matrix is kept. The forward's own statistics are recomputed beside them.
+    """
+    n_ops = len(st.kinds)
+    range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
+    op_refs, (to_ref,) = refs[:n_ops], refs[n_ops:]
+    t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = st.config.block_q, st.config.block_k
+    i = _flash.last_first(t, st.q_pad // bq)
+    q, tq = q_ref[...], tq_ref[...]
+    q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    if st.unmasked:
+        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
+    else:
+        ranges = tuple(ref[()] for ref in range_refs)
+
+    def body(j, carry, masked):
+        acc, t_acc, m, denom, t_mass = carry
+        tile = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        k, tk = k_ref[tile, :], tk_ref[tile, :]
+        s = plt.dot(q, k, trans_b=True)
+        ts = plt.dot(tq, k, trans_b=True) + plt.dot(q, tk, trans_b=True)
+        s, slope = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        pt = p * (ts * slope)
+        if masked:  # a masked pair's score tangent is never used, whatever its value
+            pt = jnp.where(s == -jnp.inf, 0.0, pt)
+        v, tv = v_ref[tile, :], tv_ref[tile, :]
+        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
+        t_acc = (
+            t_acc * alpha[:, None] + plt.dot(p.astype(v.dtype), tv) + plt.dot(pt.astype(v.dtype), v)
+        )
+        return (
+            acc,
+            t_acc,
+            m_new,
+            denom * alpha + jnp.sum(p, axis=1),
+            (t_mass * alpha + jnp.sum(pt, axis=1)),
+        )
+
+    width = to_ref.shape[-1]
+    rows = jnp.zeros((bq,), jnp.float32)
+    init = (
+        jnp.zeros((bq, width), jnp.float32),
+        jnp.zeros((bq, width), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        rows,
+        rows,
+    )
+    acc, t_acc, _, denom, t_mass = _flash.tile_loop(ranges, body, init)
+    safe = jnp.where(denom == 0.0, 1.0, denom)  # a row without a valid key: zeros
+    to = (t_acc - acc * (t_mass / safe)[:, None]) / safe[:, None]
+    to_ref[...] = to.astype(to_ref.dtype)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, build):
     n_ops = len(st.kinds)
     range_refs, refs = refs[:4], refs[4:]
@@ -838,6 +902,45 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     if n == 1:
         return rows.unview(outs[0]), outs[1]
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
+
+
+def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands):
+    """The output's tangent (`_tangent_kernel`) of padded, unpacked operands, padded."""
+    cfg, groups = st.config, st.call.groups
+    batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
+    tiles = st.q_pad // cfg.block_q
+
+    def tile_of(t):
+        return _flash.last_first(t, tiles)
+
+    def rows_spec(c):
+        return pl.BlockSpec((None, cfg.block_q, None, c), lambda t, h, b: (b, tile_of(t), h, 0))
+
+    def keys_spec(c):
+        return pl.BlockSpec((None, st.kv_pad, None, c), lambda t, h, b: (b, 0, h // groups, 0))
+
+    in_specs = [
+        *(rows_spec(d), keys_spec(d), keys_spec(dv)) * 2,
+        *([] if st.unmasked else _range_specs(tile_of)),
+        *_operand_specs(
+            st.kinds,
+            seq_role="q_pos",
+            block=cfg.block_q,
+            q_pad=st.q_pad,
+            kv_pad=st.kv_pad,
+            tile_of=tile_of,
+        ),
+    ]
+    return pl.pallas_call(
+        functools.partial(_tangent_kernel, st=st, build=build),
+        grid=(tiles, heads, batch),
+        in_specs=in_specs,
+        out_specs=rows_spec(dv),
+        out_shape=jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret,
+        name="probjax_attention_triton_tangent",
+    )(q, k, v, tq, tk, tv, *(() if st.unmasked else fwd_ranges), *operands)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns):
@@ -1119,9 +1222,47 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     def backward(qp, kp, vp, o, lse, do, ranges, operands):
         return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
+    def tangent(q, k, v, tq, tk, tv, fwd_ranges, operands):
+        return _tangent(st, build, q, k, v, tq, tk, tv, fwd_ranges, operands)
+
+    one_pass = pack == 1 and cfg.num_splits == 1
     return _flash.FlashKernels(
-        forward, backward, ranges, operands, q_pad, kv_pad, d_pad, dv_pad, direct, pack
+        forward, backward, ranges, operands, q_pad, kv_pad, d_pad, dv_pad, direct, pack,
+        tangent if one_pass else None,
+    )  # fmt: skip
+
+
+def tangent_config(config: TritonAttentionConfig) -> TritonAttentionConfig:
+    """The forward-mode kernel's launch: the dQ kernel's tiles, warps and stages.
+
+    Like the dQ kernel it keeps a query tile and loops over keys with two operand tiles
+    a step (K and its tangent, V and its tangent) and one more accumulator than the
+    forward; one pass a query tile, unpacked.
+    """
+    return dataclasses.replace(
+        config,
+        block_q=config.block_q_dq,
+        block_k=config.block_k_dq,
+        num_warps=config.num_warps_bwd,
+        num_stages=config.num_stages_bwd,
+        num_splits=1,
+        pack_gqa=False,
     )
+
+
+def flash_tangent(q, k, v, tq, tk, tv, *, mask, score_mod, scale: float,
+                  config: TritonAttentionConfig):  # fmt: skip
+    """The tangent of `flash_attention`'s output along `(tq, tk, tv)` (forward mode).
+
+    One pass over the keys per query tile (`_tangent_kernel`), at the forward's memory:
+    no score matrix. The mask and score mod are fixed (no tangents of their arrays).
+    """
+    cfg = tangent_config(config)
+
+    def build(q, k, v, mask, score_mod):
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
+
+    return _flash.run_tangent(build, q, k, v, tq, tk, tv, mask, score_mod)
 
 
 def packable(call: AttentionCall) -> bool:
@@ -1182,6 +1323,13 @@ class TritonAttention:
                  plan=None):  # fmt: skip
         return flash_attention(
             q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config, plan=plan
+        )
+
+    def tangent(self, q, k, v, tq, tk, tv, *, mask, score_mod, scale,
+                config: TritonAttentionConfig):  # fmt: skip
+        """Forward mode's kernel (`flash_tangent`) for a call `check` accepts."""
+        return flash_tangent(
+            q, k, v, tq, tk, tv, mask=mask, score_mod=score_mod, scale=scale, config=config
         )
 
     def blocks(self, q, k, v, *, mask, scale, config: TritonAttentionConfig):
