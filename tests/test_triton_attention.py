@@ -173,6 +173,23 @@ def test_tile_selection_fits_shared_memory():
     assert (short.block_q, short.block_k) == (16, 32)
 
 
+def test_tangent_launch_fits_shared_memory():
+    """The tangent kernel holds twice the forward's operand tiles: its launch shrinks the
+    dQ tiles it starts from until they fit (hd 256 bf16: 64 keys a step would not)."""
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    for dtype, d in (("bfloat16", 256), ("float32", 256), ("bfloat16", 128), ("float16", 64)):
+        call = AttentionCall(4, 4096, 4096, 8, 8, d, d, dtype)
+        cfg = triton_attention.tangent_config(triton_attention.default_config(call, h200), call,
+                                              h200)  # fmt: skip
+        itemsize = 4 if dtype == "float32" else 2
+        used = 2 * triton_attention.smem_bytes(cfg.block_q, cfg.block_k, d, d, itemsize,
+                                               cfg.num_stages)  # fmt: skip
+        assert used <= 227 * 1024, (dtype, d, cfg)
+        assert (cfg.num_splits, cfg.pack_gqa) == (1, False)
+        if d <= 128:  # the dQ kernel's tiles as they are
+            assert (cfg.block_q, cfg.block_k) == (64, 64), (dtype, d, cfg)
+
+
 def test_wide_float32_backward_steps_16_rows():
     # float32 hd 256: 32-row steps spilled (359 ms fwd+bwd at T=4096, run 26; 51 at 16).
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")

@@ -5,8 +5,9 @@ gradient penalty, meta-learning) nor push tangents through: `jax.custom_vjp` has
 forward mode, so `jax.jvp`, `jax.jacfwd` and `jax.hessian` would fail. In
 `kernel_then_reference` the kernel's value is a `jax.custom_jvp` whose tangent is one
 linear primitive, `kernel_tangent`: transposed (reverse mode) it is the kernel's own VJP,
-evaluated (forward mode) it is the reference's JVP, and every derivative of either is
-the reference's, which computes the same function in XLA.
+evaluated (forward mode) it is a tangent kernel where the op has one (attention's
+Triton tangent) or else the reference's JVP, and every derivative of any of them is the
+reference's, which computes the same function in XLA.
 """
 
 import functools

@@ -303,6 +303,7 @@ def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod
     if triton.check(call, backend.device, config) is not None:
         return None
     config = triton.default_config(call, backend.device) if config is None else config
+    config = triton.tangent_config(config, call, backend.device)
 
     def tangent(args, tangents):
         q, k, v, mask, score_mod = args

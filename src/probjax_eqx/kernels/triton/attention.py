@@ -1232,19 +1232,33 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     )  # fmt: skip
 
 
-def tangent_config(config: TritonAttentionConfig) -> TritonAttentionConfig:
+def tangent_config(
+    config: TritonAttentionConfig, call: AttentionCall, device: DeviceInfo
+) -> TritonAttentionConfig:
     """The forward-mode kernel's launch: the dQ kernel's tiles, warps and stages.
 
-    Like the dQ kernel it keeps a query tile and loops over keys with two operand tiles
-    a step (K and its tangent, V and its tangent) and one more accumulator than the
-    forward; one pass a query tile, unpacked.
+    Shrunk while its shared memory would not fit. Like the dQ kernel it keeps a query
+    tile and loops over keys, with twice the operands (q and its tangent; K, V and
+    theirs) and one more accumulator than the forward; one pass a query tile, unpacked.
     """
+    itemsize = 4 if call.dtype == "float32" else 2
+    limit = _SMEM_LIMIT.get(device.compute_capability or "", _SMEM_DEFAULT)
+    block_q, block_k, stages = config.block_q_dq, config.block_k_dq, config.num_stages_bwd
+    while 2 * smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
+        if block_k > _MIN_BLOCK:
+            block_k //= 2
+        elif block_q > _MIN_BLOCK:
+            block_q //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
     return dataclasses.replace(
         config,
-        block_q=config.block_q_dq,
-        block_k=config.block_k_dq,
+        block_q=block_q,
+        block_k=block_k,
         num_warps=config.num_warps_bwd,
-        num_stages=config.num_stages_bwd,
+        num_stages=stages,
         num_splits=1,
         pack_gqa=False,
     )
@@ -1256,11 +1270,13 @@ def flash_tangent(q, k, v, tq, tk, tv, *, mask, score_mod, scale: float,
 
     One pass over the keys per query tile (`_tangent_kernel`), at the forward's memory:
     no score matrix. The mask and score mod are fixed (no tangents of their arrays).
+    `config` is the launch as `tangent_config` makes it: one split, unpacked.
     """
-    cfg = tangent_config(config)
+    if config.num_splits != 1 or config.pack_gqa:
+        raise ValueError("the tangent kernel runs one split of unpacked rows: tangent_config")
 
     def build(q, k, v, mask, score_mod):
-        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
 
     return _flash.run_tangent(build, q, k, v, tq, tk, tv, mask, score_mod)
 
@@ -1325,9 +1341,12 @@ class TritonAttention:
             q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config, plan=plan
         )
 
+    def tangent_config(self, config, call: AttentionCall, device: DeviceInfo):
+        return tangent_config(config, call, device)
+
     def tangent(self, q, k, v, tq, tk, tv, *, mask, score_mod, scale,
                 config: TritonAttentionConfig):  # fmt: skip
-        """Forward mode's kernel (`flash_tangent`) for a call `check` accepts."""
+        """Forward mode's kernel (`flash_tangent`), launched as `tangent_config` makes it."""
         return flash_tangent(
             q, k, v, tq, tk, tv, mask=mask, score_mod=score_mod, scale=scale, config=config
         )
