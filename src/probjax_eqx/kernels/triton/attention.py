@@ -840,6 +840,21 @@ def _range_specs(tile_of=_same):
     return [pl.BlockSpec((None, None), lambda t, h, b: (b, tile_of(t)))] * 4
 
 
+def _query_tile_operand_specs(st: _Static, tile_of):
+    """Specs of the key-tile ranges and mask operands for a grid over query tiles."""
+    return [
+        *([] if st.unmasked else _range_specs(tile_of)),
+        *_operand_specs(
+            st.kinds,
+            seq_role="q_pos",
+            block=st.config.block_q,
+            q_pad=st.q_pad,
+            kv_pad=st.kv_pad,
+            tile_of=tile_of,
+        ),
+    ]
+
+
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     """`(o, lse)`: `o` in the caller's shape when `st.rows` (direct), else padded."""
     cfg, groups = st.config, st.call.groups
@@ -856,15 +871,7 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
         rows.spec(d, tile_of),
         pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
         pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
-        *([] if st.unmasked else _range_specs(tile_of)),
-        *_operand_specs(
-            st.kinds,
-            seq_role="q_pos",
-            block=cfg.block_q,
-            q_pad=st.q_pad,
-            kv_pad=st.kv_pad,
-            tile_of=tile_of,
-        ),
+        *_query_tile_operand_specs(st, tile_of),
     ]
     if n == 1:
         out_specs = [
@@ -921,15 +928,7 @@ def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands):
 
     in_specs = [
         *(rows_spec(d), keys_spec(d), keys_spec(dv)) * 2,
-        *([] if st.unmasked else _range_specs(tile_of)),
-        *_operand_specs(
-            st.kinds,
-            seq_role="q_pos",
-            block=cfg.block_q,
-            q_pad=st.q_pad,
-            kv_pad=st.kv_pad,
-            tile_of=tile_of,
-        ),
+        *_query_tile_operand_specs(st, tile_of),
     ]
     return pl.pallas_call(
         functools.partial(_tangent_kernel, st=st, build=build),
