@@ -173,3 +173,34 @@ def test_ssm_kernels_lower(verified_modules):
         lower_for_gpu(value_and_grads(lambda *a, f=split: f(*a)[0], (0, 1, 2, 3)), q, k, v,
                       decay, jnp.zeros((heads, dk, dv)))  # fmt: skip
     assert len(verified_modules) >= 9
+
+
+@pytest.mark.parametrize(
+    "mask, score_mod, d",
+    [
+        (masks.Causal() & masks.KVLengths(jnp.array([50, 129])), None, 128),
+        (masks.LocalWindow(16, 16), biases.SoftCap(30.0), 64),
+        (None, None, 256),
+    ],
+    ids=["causal_kv_lengths_hd128", "window_softcap_hd64", "unmasked_hd256"],
+)
+def test_tangent_kernel_lowers(verified_modules, mask, score_mod, d):
+    """Forward mode's kernel at the launch an H200 would run (`tangent_config`)."""
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo
+
+    h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
+    q, k, v = qkv(d=d)
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
+    config = triton_attention.tangent_config(
+        triton_attention.default_config(call, h200), call, h200
+    )
+    assert not config.interpret
+
+    def tangent(q, k, v, tq, tk, tv):
+        return triton_attention.flash_tangent(
+            q, k, v, tq, tk, tv, mask=mask, score_mod=score_mod, scale=0.125, config=config
+        )
+
+    lower_for_gpu(tangent, q, k, v, q, k, v)
+    assert len(verified_modules) == 1
