@@ -96,6 +96,29 @@ def test_bench_quick_run_writes_rows(tmp_path):
             assert row["kernel"] == row["implementation"].split()[1].replace("auto", "xla")
 
 
+def test_forward_mode_suite_rows(tmp_path):
+    """`bench.run --suite forward_mode`'s rows, in process: each tangent checked against
+    the float32 reference's; jax.nn's cuDNN route, which has no forward mode, a failure
+    row with its message (on the CPU: no cuDNN)."""
+    import jax
+    from bench import forward_mode_suite
+    from bench.harness import RowWriter
+
+    writer = RowWriter(tmp_path / "rows.json")
+    base = dict(device={"platform": "cpu"}, versions={})
+    with jax.numpy_dtype_promotion("standard"):  # jax.nn's XLA JVP mixes bf16 and f32
+        rows = list(forward_mode_suite.run(writer, base, quick=True, repeats=2,
+                                           overrides={"causal": [True]}))  # fmt: skip
+    by_name = {row["implementation"]: row for row in rows}
+    assert set(by_name) == {"probjax auto", "probjax xla", "jax.nn xla", "jax.nn cudnn"}
+    for name in ("probjax auto", "probjax xla", "jax.nn xla"):
+        row = by_name[name]
+        assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["max_abs_err"] < 2e-2, row[
+            "message"
+        ]
+    assert by_name["jax.nn cudnn"]["status"] != "ok" and by_name["jax.nn cudnn"]["message"]
+
+
 def test_train_dit_samples_approach_the_data(tmp_path):
     import ast
 
