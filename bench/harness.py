@@ -309,6 +309,8 @@ _PEER_REJECTIONS = (
     "No available kernel",  # torch SDPA with a backend pinned
     # the deprecated jax.experimental.pallas.ops.gpu.attention.mha: Lq != Lkv in its backward
     "must be divided into the same number of blocks",
+    # a custom VJP without forward mode (jax.nn's cuDNN route) under `jax.jvp`
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function",
 )
 
 
