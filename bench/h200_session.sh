@@ -5,7 +5,8 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 12's parts that runs 44-47 did not reach.
+# Not yet run: 70 (forward mode's tangent kernel on the GPU), then 12's parts that runs
+# 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -74,7 +75,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 69}" in
+case "${1:?stage 1 to 70}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -785,6 +786,14 @@ case "${1:?stage 1 to 69}" in
     step 120 probe_vmap_decode python3 -m bench.probe_timing dispatch \
       --out "$out/probe_vmap_decode.json" --causal 0 --calls 1 --forward-only \
       --routes "probjax auto" "probjax auto+vmap" --shape 8,1,8192,32,8 8,1,32768,32,32
+    ;;
+  70)
+    # Forward mode's Triton tangent kernel (session 35, CPU-tested and lowered only): its
+    # GPU tests on every route (and the other kernels' higher derivatives), then
+    # `jax.jvp` timed beside XLA's JVPs (ours and jax.nn's) at T 4096 / 16384, hd 64 /
+    # 128, causal and not, with each program's scratch memory. 240 + 330 s: one call.
+    gpu_tests 240 -k "forward_mode or higher_derivatives"
+    suite 330 forward_mode --suite forward_mode --seq 4096 16384
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
