@@ -579,10 +579,10 @@ def test_forward_mode_kernel_16_bit_score_mods_and_empty_rows(getkey, tangent_ke
     assert len(tangent_kernel_calls) == 2
 
 
-def test_forward_mode_kernel_under_vmap_and_parameters_by_reference(getkey, tangent_kernel_calls):
+def test_forward_mode_kernel_under_vmap_and_through_parameters(getkey, tangent_kernel_calls):
     """Under `vmap` (an unbatched module's call) the tangent kernel runs once over the
-    folded batch; a score mod with parameters (ALiBi's slopes) takes the reference's JVP,
-    which has their tangents too."""
+    folded batch; the score mod's parameters (ALiBi's slopes, head scales) have tangents
+    in it too, under `jax.jacfwd` (their tangents mapped) as well."""
     q, k, v = make_qkv(getkey(), q_heads=2, kv_heads=2)
     tangents = make_qkv(getkey(), q_heads=2, kv_heads=2)
 
@@ -595,13 +595,18 @@ def test_forward_mode_kernel_under_vmap_and_parameters_by_reference(getkey, tang
     assert_close(got, jax.jvp(g, (q, k, v), tangents)[1], jnp.float32, grad=True)
     assert len(tangent_kernel_calls) == 1
 
-    def with_alibi(slopes):
-        return run_triton(q, k, v, masks.Causal(), biases.ALiBi(slopes))
+    def mods(slopes, scales):
+        return biases.Compose((biases.ALiBi(slopes), biases.HeadScale(scales)))
 
-    def oracle_alibi(slopes):
-        return oracle(q, k, v, masks.Causal(), biases.ALiBi(slopes))
+    def attend(attention):
+        return lambda q, slopes, scales: attention(q, k, v, masks.Causal(), mods(slopes, scales))
 
-    slopes, t_slopes = jnp.array([0.5, 0.25]), jnp.array([1.0, -2.0])
-    got = jax.jvp(with_alibi, (slopes,), (t_slopes,))[1]
-    assert_close(got, jax.jvp(oracle_alibi, (slopes,), (t_slopes,))[1], jnp.float32, grad=True)
-    assert len(tangent_kernel_calls) == 1  # the reference's
+    params = (jnp.array([0.5, 0.25]), jnp.array([1.2, 0.7]))
+    t_params = (jnp.array([1.0, -2.0]), jnp.array([0.3, 0.5]))
+    got = jax.jvp(attend(run_triton), (q, *params), (tangents[0], *t_params))[1]
+    want = jax.jvp(attend(oracle), (q, *params), (tangents[0], *t_params))[1]
+    assert_close(got, want, jnp.float32, grad=True)
+    assert len(tangent_kernel_calls) == 2
+    jacobian = lambda a: jax.jacfwd(lambda s: a(q, s, params[1]))(params[0])  # noqa: E731
+    assert_close(jacobian(attend(run_triton)), jacobian(attend(oracle)), jnp.float32, grad=True)
+    assert len(tangent_kernel_calls) == 3

@@ -181,11 +181,13 @@ def test_ssm_kernels_lower(verified_modules):
         (masks.Causal() & masks.KVLengths(jnp.array([50, 129])), None, 128),
         (masks.LocalWindow(16, 16), biases.SoftCap(30.0), 64),
         (None, None, 256),
+        (masks.Causal(), biases.ALiBi(jnp.asarray(biases.alibi_slopes(4))), 64),
     ],
-    ids=["causal_kv_lengths_hd128", "window_softcap_hd64", "unmasked_hd256"],
+    ids=["causal_kv_lengths_hd128", "window_softcap_hd64", "unmasked_hd256", "alibi_hd64"],
 )
 def test_tangent_kernel_lowers(verified_modules, mask, score_mod, d):
-    """Forward mode's kernel at the launch an H200 would run (`tangent_config`)."""
+    """Forward mode's kernel at the launch an H200 would run (`tangent_config`); ALiBi's
+    slopes with tangents (zeros: `t_score_mod` None)."""
     from probjax_eqx.attention_call import AttentionCall
     from probjax_eqx.backends import DeviceInfo
 

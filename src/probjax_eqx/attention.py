@@ -291,13 +291,11 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
 def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod, scale):
     """`tangent(args, tangents)` for `kernel_then_reference`: Triton's forward-mode kernel.
 
-    Whichever kernel runs the call, its tangent is Triton's one pass (`flash_tangent`)
-    where Triton computes the call, with the chosen config if Triton was chosen. None
-    (the reference's JVP) where it cannot, or where the mask or score mod holds
-    floating-point arrays (ALiBi slopes, head scales): the kernel has no tangent for them.
+    Whichever kernel runs the call, its tangent is Triton's one pass (`flash_tangent`),
+    through the score mod's parameters too (ALiBi's slopes), where Triton computes the
+    call, with the chosen config if Triton was chosen. None (the reference's JVP) where
+    it cannot.
     """
-    if jax.tree.leaves(eqx.filter((mask, score_mod), eqx.is_inexact_array)):
-        return None
     triton = _IMPLEMENTATIONS["triton"]
     config = choice.config if choice.kernel == "triton" else None
     if triton.check(call, backend.device, config) is not None:
@@ -308,7 +306,7 @@ def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod
     def tangent(args, tangents):
         q, k, v, mask, score_mod = args
         return triton.tangent(q, k, v, *tangents[:3], mask=mask, score_mod=score_mod,
-                              scale=scale, config=config)  # fmt: skip
+                              scale=scale, config=config, t_score_mod=tangents[4])  # fmt: skip
 
     return tangent
 

@@ -14,6 +14,7 @@ import functools
 import math
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -111,8 +112,9 @@ class FlashKernels:
     costs more than its data).
 
     `pack`: the query heads of each KV head run as rows of one tile (`pack_rows`).
-    `tangent(qp, kp, vp, tqp, tkp, tvp, fwd_ranges, operands) -> to`: forward mode's
-    kernel on padded operands and tangents, where the family has one (`pack` 1).
+    `tangent(qp, kp, vp, tqp, tkp, tvp, fwd_ranges, operands, t_params) -> to`: forward
+    mode's kernel on padded operands and tangents (`t_params`: of the float operands,
+    per head), where the family has one (`pack` 1).
     """
 
     forward: Callable
@@ -160,12 +162,12 @@ class FlashKernels:
         dq = self._rows_out(dq, q.shape[1], d)
         return dq, dk[:, :lk, :, :d], dv[:, :lk, :, : v.shape[3]], doperands
 
-    def output_tangent(self, q, k, v, tq, tk, tv):
-        """The output's tangent along `(tq, tk, tv)`, in the caller's shape."""
+    def output_tangent(self, q, k, v, tq, tk, tv, t_params=()):
+        """The output's tangent along `(tq, tk, tv)` and the float operands' `t_params`."""
         if self.tangent is None or self.pack != 1:
             raise ValueError("these kernels have no forward-mode kernel (packed rows?)")
         to = self.tangent(*self._pad(q, k, v), *self._pad(tq, tk, tv), self.ranges["fwd"],
-                          self.operands)  # fmt: skip
+                          self.operands, t_params)  # fmt: skip
         return self._rows_out(to, q.shape[1], v.shape[3])
 
     def output(self, q, k, v):
@@ -241,22 +243,40 @@ def run_call(forward_kernels: Callable, backward_kernels: Callable, q, k, v, mas
                   operands)  # fmt: skip
 
 
-def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod):
+def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod,
+                t_score_mod=None):  # fmt: skip
     """The tangent of `run_call`'s output along `(tq, tk, tv)`, by a forward-mode kernel.
 
     `tangent_kernels(q, k, v, mask, score_mod)` builds `FlashKernels` with a `tangent`.
-    The mask and score mod are fixed: their arrays have no tangent here.
+    `t_score_mod`: the tangent of the score mod's float arrays (per-head parameters),
+    shaped as `eqx.filter(score_mod, eqx.is_inexact_array)`; None: they are fixed.
     """
     batch, q_len, heads, _ = q.shape
-    operands, kinds, restore = _tiles.canonical(
-        mask, score_mod, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[1]
-    )
+
+    def canonical(score_mod):
+        return _tiles.canonical(
+            mask, score_mod, batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[1]
+        )
+
+    operands, kinds, restore = canonical(score_mod)
+    floats = [n for n, op in enumerate(operands) if jnp.issubdtype(op.dtype, jnp.floating)]
+    t_params = ()
+    if floats and t_score_mod is not None:
+        diff, static = eqx.partition(score_mod, eqx.is_inexact_array)
+        arrays = lambda diff: canonical(eqx.combine(diff, static))[0]  # noqa: E731
+        t_operands = jax.jvp(arrays, (diff,), (t_score_mod,))[1]
+        t_params = tuple(t_operands[n] for n in floats)
+    elif floats:
+        t_params = tuple(jnp.zeros_like(operands[n]) for n in floats)
+    n = len(operands)
 
     def tangent(q, k, v, tq, tk, tv, operands):
-        kernels = tangent_kernels(q, k, v, *restore(operands))
-        return kernels.output_tangent(q, k, v, tq, tk, tv)
+        kernels = tangent_kernels(q, k, v, *restore(operands[:n]))
+        return kernels.output_tangent(q, k, v, tq, tk, tv, operands[n:])
 
-    return _fold_vmap(tangent, kinds, leading=6)(q, k, v, tq, tk, tv, tuple(operands))
+    # The parameters' tangents are per head, as the parameters are.
+    folded = _fold_vmap(tangent, (*kinds, *["head"] * len(t_params)), leading=6)
+    return folded(q, k, v, tq, tk, tv, (*operands, *t_params))
 
 
 def attend(forward_blocks: Callable, backward_blocks: Callable, kinds, q, k, v, operands):

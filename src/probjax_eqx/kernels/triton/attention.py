@@ -526,6 +526,22 @@ def _tile_scores(s, st: _Static, mask, mod, b, h, q_idx, kv_idx, *, masked: bool
     return jnp.where(valid, scores, -jnp.inf), slope
 
 
+def _scores_of_params(st: _Static, build, values, raw, b, h, q_idx, kv_idx):
+    """`(scores_of, params)`: the tile's modded scores of the score mod's parameters.
+
+    `params` are their values (`st.param_slots`); the scores are in natural units, for
+    derivatives with respect to the parameters.
+    """
+
+    def scores_of(params):
+        vals = list(values)
+        for slot, param in zip(st.param_slots, params):
+            vals[slot] = param
+        return build(vals)[1](raw * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
+
+    return scores_of, tuple(values[slot] for slot in st.param_slots)
+
+
 def _rebuilders(st: _Static, rebuild_mask, rebuild_mod):
     def build(values):
         return rebuild_mask(values[: st.n_mask_ops]), rebuild_mod(values[st.n_mask_ops :])
@@ -633,15 +649,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
 
 
 def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Static, build):
-    """The output's tangent along `(tq, tk, tv)` in one pass over the keys (forward mode).
+    """The output's tangent in one pass over the keys (forward mode).
 
-    With `p = softmax(s)` and `t` the scores' tangent, `to = p tv + (p * t) v - o
+    Along `(tq, tk, tv)` and the score mod's parameters' tangents (refs after the mask
+    operands'). With `p = softmax(s)` and `t` the scores' tangent, `to = p tv + (p * t) v - o
     rowsum(p * t)`: three sums rescaled online as the forward's output is, so no score
     matrix is kept. The forward's own statistics are recomputed beside them.
     """
     n_ops = len(st.kinds)
     range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
-    op_refs, (to_ref,) = refs[:n_ops], refs[n_ops:]
+    op_refs, refs = refs[:n_ops], refs[n_ops:]
+    t_param_refs, (to_ref,) = refs[:-1], refs[-1:]
+    t_params = tuple(ref[()] for ref in t_param_refs)
     t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q, st.config.block_k
     i = _flash.last_first(t, st.q_pad // bq)
@@ -655,17 +674,22 @@ def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Sta
     def body(j, carry, masked):
         acc, t_acc, m, denom, t_mass = carry
         tile = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        mask, mod = build(_load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile))
+        values = _load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile)
+        mask, mod = build(values)
         kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
         k, tk = k_ref[tile, :], tk_ref[tile, :]
-        s = plt.dot(q, k, trans_b=True)
+        raw = plt.dot(q, k, trans_b=True)
         ts = plt.dot(tq, k, trans_b=True) + plt.dot(q, tk, trans_b=True)
-        s, slope = _tile_scores(s, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
+        s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
+        ts = ts * slope
+        if st.param_slots:  # the scores' tangent through the parameters too
+            scores_of, params = _scores_of_params(st, build, values, raw, b, h, q_idx, kv_idx)
+            ts = ts + jax.jvp(scores_of, (params,), (t_params,))[1]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
-        pt = p * (ts * slope)
+        pt = p * ts
         if masked:  # a masked pair's score tangent is never used, whatever its value
             pt = jnp.where(s == -jnp.inf, 0.0, pt)
         v, tv = v_ref[tile, :], tv_ref[tile, :]
@@ -787,14 +811,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         dp = plt.dot(do, v_ref[tile, :], trans_b=True)
         d_modded = p * (dp - delta)
         if st.param_slots:  # d(loss)/d(score-mod parameters) of this tile, by its VJP
-
-            def scores_of(params):
-                vals = list(values)
-                for slot, param in zip(st.param_slots, params):
-                    vals[slot] = param
-                return build(vals)[1](raw * st.scale, b, h, q_idx, kv_idx).astype(jnp.float32)
-
-            _, pullback = jax.vjp(scores_of, tuple(values[s] for s in st.param_slots))
+            scores_of, params = _scores_of_params(st, build, values, raw, b, h, q_idx, kv_idx)
+            _, pullback = jax.vjp(scores_of, params)
             dparams = tuple(a + g for a, g in zip(dparams, pullback(d_modded)[0]))
         return dq + plt.dot((d_modded * slope).astype(k.dtype), k), dparams
 
@@ -911,8 +929,11 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
 
 
-def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands):
-    """The output's tangent (`_tangent_kernel`) of padded, unpacked operands, padded."""
+def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params):
+    """The output's tangent (`_tangent_kernel`) of padded, unpacked operands, padded.
+
+    `t_params`: the tangents of the score mod's parameters (`st.param_slots`), per head.
+    """
     cfg, groups = st.config, st.call.groups
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     tiles = st.q_pad // cfg.block_q
@@ -929,7 +950,10 @@ def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands):
     in_specs = [
         *(rows_spec(d), keys_spec(d), keys_spec(dv)) * 2,
         *_query_tile_operand_specs(st, tile_of),
+        *[pl.BlockSpec((None,), lambda t, h, b: (h,))] * len(t_params),
     ]
+    if len(t_params) != len(st.param_slots):
+        raise ValueError(f"{len(st.param_slots)} score-mod parameters, {len(t_params)} tangents")
     return pl.pallas_call(
         functools.partial(_tangent_kernel, st=st, build=build),
         grid=(tiles, heads, batch),
@@ -939,7 +963,7 @@ def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands):
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="probjax_attention_triton_tangent",
-    )(q, k, v, tq, tk, tv, *(() if st.unmasked else fwd_ranges), *operands)
+    )(q, k, v, tq, tk, tv, *(() if st.unmasked else fwd_ranges), *operands, *t_params)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, rows, splits, columns):
@@ -1221,8 +1245,8 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     def backward(qp, kp, vp, o, lse, do, ranges, operands):
         return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
-    def tangent(q, k, v, tq, tk, tv, fwd_ranges, operands):
-        return _tangent(st, build, q, k, v, tq, tk, tv, fwd_ranges, operands)
+    def tangent(q, k, v, tq, tk, tv, fwd_ranges, operands, t_params):
+        return _tangent(st, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params)
 
     one_pass = pack == 1 and cfg.num_splits == 1
     return _flash.FlashKernels(
@@ -1260,15 +1284,17 @@ def tangent_config(
         num_stages=stages,
         num_splits=1,
         pack_gqa=False,
+        backward_pass_impl="triton_split",  # unused here; the one `kernels` takes parameters to
     )
 
 
 def flash_tangent(q, k, v, tq, tk, tv, *, mask, score_mod, scale: float,
-                  config: TritonAttentionConfig):  # fmt: skip
+                  config: TritonAttentionConfig, t_score_mod=None):  # fmt: skip
     """The tangent of `flash_attention`'s output along `(tq, tk, tv)` (forward mode).
 
     One pass over the keys per query tile (`_tangent_kernel`), at the forward's memory:
-    no score matrix. The mask and score mod are fixed (no tangents of their arrays).
+    no score matrix. `t_score_mod`: the tangent of the score mod's parameters (ALiBi's
+    slopes), shaped as `eqx.filter(score_mod, eqx.is_inexact_array)`; None: fixed.
     `config` is the launch as `tangent_config` makes it: one split, unpacked.
     """
     if config.num_splits != 1 or config.pack_gqa:
@@ -1277,7 +1303,7 @@ def flash_tangent(q, k, v, tq, tk, tv, *, mask, score_mod, scale: float,
     def build(q, k, v, mask, score_mod):
         return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
 
-    return _flash.run_tangent(build, q, k, v, tq, tk, tv, mask, score_mod)
+    return _flash.run_tangent(build, q, k, v, tq, tk, tv, mask, score_mod, t_score_mod)
 
 
 def packable(call: AttentionCall) -> bool:
@@ -1344,11 +1370,10 @@ class TritonAttention:
         return tangent_config(config, call, device)
 
     def tangent(self, q, k, v, tq, tk, tv, *, mask, score_mod, scale,
-                config: TritonAttentionConfig):  # fmt: skip
+                config: TritonAttentionConfig, t_score_mod=None):  # fmt: skip
         """Forward mode's kernel (`flash_tangent`), launched as `tangent_config` makes it."""
-        return flash_tangent(
-            q, k, v, tq, tk, tv, mask=mask, score_mod=score_mod, scale=scale, config=config
-        )
+        return flash_tangent(q, k, v, tq, tk, tv, mask=mask, score_mod=score_mod, scale=scale,
+                             config=config, t_score_mod=t_score_mod)  # fmt: skip
 
     def blocks(self, q, k, v, *, mask, scale, config: TritonAttentionConfig):
         """Forward-with-lse and backward-given-lse halves (`_flash.FlashKernels`)."""
