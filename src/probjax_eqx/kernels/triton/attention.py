@@ -567,6 +567,15 @@ def _load_operands(refs, kinds, *, q_tile, kv_tile, head=None):
     return values
 
 
+def _query_tile_kv_ranges(st: _Static, range_refs, tile):
+    """Query tile `tile`'s key-tile ranges (`block_ranges`): computed here when unmasked."""
+    if st.unmasked:
+        return _tiles.unmasked_kv_ranges(
+            st.ctx, tile, program_block=st.config.block_q, loop_block=st.config.block_k
+        )
+    return tuple(ref[()] for ref in range_refs)
+
+
 def _split_share(ranges, split, splits: int):
     """Split `split`'s share of the key tiles `ranges` visits, `splits` shares in all.
 
@@ -600,10 +609,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
         return plt.load(ref.at[pl.ds(start, bk), :], mask=keep, other=jnp.zeros((), ref.dtype))
 
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    if st.unmasked:
-        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
-    else:
-        ranges = tuple(ref[()] for ref in range_refs)
+    ranges = _query_tile_kv_ranges(st, range_refs, i)
     ranges = _split_share(ranges, t % splits, splits)
 
     def body(j, carry, masked):
@@ -666,10 +672,7 @@ def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Sta
     i = _flash.last_first(t, st.q_pad // bq)
     q, tq = q_ref[...], tq_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    if st.unmasked:
-        ranges = _tiles.unmasked_kv_ranges(st.ctx, i, program_block=bq, loop_block=bk)
-    else:
-        ranges = tuple(ref[()] for ref in range_refs)
+    ranges = _query_tile_kv_ranges(st, range_refs, i)
 
     def body(j, carry, masked):
         acc, t_acc, m, denom, t_mass = carry
@@ -858,6 +861,12 @@ def _range_specs(tile_of=_same):
     return [pl.BlockSpec((None, None), lambda t, h, b: (b, tile_of(t)))] * 4
 
 
+def _kv_spec(st: _Static, c: int):
+    """A program's whole padded K (or V) rows, `c` columns, of its query head's KV head."""
+    groups = st.call.groups
+    return pl.BlockSpec((None, st.kv_pad, None, c), lambda t, h, b: (b, 0, h // groups, 0))
+
+
 def _query_tile_operand_specs(st: _Static, tile_of):
     """Specs of the key-tile ranges and mask operands for a grid over query tiles."""
     return [
@@ -875,7 +884,7 @@ def _query_tile_operand_specs(st: _Static, tile_of):
 
 def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     """`(o, lse)`: `o` in the caller's shape when `st.rows` (direct), else padded."""
-    cfg, groups = st.config, st.call.groups
+    cfg = st.config
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     n, tiles = cfg.num_splits, st.q_pad // cfg.block_q
     grid = (tiles * n, heads, batch)
@@ -887,8 +896,8 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
 
     in_specs = [
         rows.spec(d, tile_of),
-        pl.BlockSpec((None, st.kv_pad, None, d), lambda t, h, b: (b, 0, h // groups, 0)),
-        pl.BlockSpec((None, st.kv_pad, None, dv), lambda t, h, b: (b, 0, h // groups, 0)),
+        _kv_spec(st, d),
+        _kv_spec(st, dv),
         *_query_tile_operand_specs(st, tile_of),
     ]
     if n == 1:
@@ -934,31 +943,26 @@ def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_pa
 
     `t_params`: the tangents of the score mod's parameters (`st.param_slots`), per head.
     """
-    cfg, groups = st.config, st.call.groups
+    cfg = st.config
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
     tiles = st.q_pad // cfg.block_q
 
     def tile_of(t):
         return _flash.last_first(t, tiles)
 
-    def rows_spec(c):
-        return pl.BlockSpec((None, cfg.block_q, None, c), lambda t, h, b: (b, tile_of(t), h, 0))
-
-    def keys_spec(c):
-        return pl.BlockSpec((None, st.kv_pad, None, c), lambda t, h, b: (b, 0, h // groups, 0))
-
+    if len(t_params) != len(st.param_slots):
+        raise ValueError(f"{len(st.param_slots)} score-mod parameters, {len(t_params)} tangents")
+    rows = _Rows(cfg.block_q, st.q_pad, 1)
     in_specs = [
-        *(rows_spec(d), keys_spec(d), keys_spec(dv)) * 2,
+        *(rows.spec(d, tile_of), _kv_spec(st, d), _kv_spec(st, dv)) * 2,
         *_query_tile_operand_specs(st, tile_of),
         *[pl.BlockSpec((None,), lambda t, h, b: (h,))] * len(t_params),
     ]
-    if len(t_params) != len(st.param_slots):
-        raise ValueError(f"{len(st.param_slots)} score-mod parameters, {len(t_params)} tangents")
     return pl.pallas_call(
         functools.partial(_tangent_kernel, st=st, build=build),
         grid=(tiles, heads, batch),
         in_specs=in_specs,
-        out_specs=rows_spec(dv),
+        out_specs=rows.spec(dv, tile_of),
         out_shape=jax.ShapeDtypeStruct((batch, st.q_pad, heads, dv), q.dtype),
         compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
@@ -1132,8 +1136,8 @@ def _backward(st: _Static, build, q, k, v, o, lse, do, dq_ranges, dkv_ranges, op
         grid=(tiles * n, heads, batch),
         in_specs=[
             pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, tile_of(i), h, 0)),
-            pl.BlockSpec((None, st.kv_pad, None, d), lambda i, h, b: (b, 0, h // groups, 0)),
-            pl.BlockSpec((None, st.kv_pad, None, dv), lambda i, h, b: (b, 0, h // groups, 0)),
+            _kv_spec(st, d),
+            _kv_spec(st, dv),
             pl.BlockSpec((None, bq, None, dv), lambda i, h, b: (b, tile_of(i), h, 0)),
             pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, tile_of(i))),
             pl.BlockSpec((None, None, bq), lambda i, h, b: (b, h, tile_of(i))),
