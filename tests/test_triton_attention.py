@@ -610,3 +610,25 @@ def test_forward_mode_kernel_under_vmap_and_through_parameters(getkey, tangent_k
     jacobian = lambda a: jax.jacfwd(lambda s: a(q, s, params[1]))(params[0])  # noqa: E731
     assert_close(jacobian(attend(run_triton)), jacobian(attend(oracle)), jnp.float32, grad=True)
     assert len(tangent_kernel_calls) == 3
+
+
+def test_gradient_beside_a_stopped_tangent_runs_kernels_only(getkey, tangent_kernel_calls):
+    """MeanFlow's and consistency models' losses: `jax.grad` of a loss holding a `jax.jvp`
+    whose tangent is a stopped-gradient target. The gradient equals the oracle's, and the
+    compiled program holds no score matrix: the reference's derivatives of the tangent,
+    which nothing uses, are gone."""
+    q, k, v = make_qkv(getkey(), q_len=40, kv_len=56)
+    t_q = make_qkv(getkey(), q_len=40, kv_len=56)[0]
+
+    def loss(attention):
+        def of(q):
+            out, tangent = jax.jvp(lambda q: attention(q, k, v, masks.Causal()), (q,), (t_q,))
+            return jnp.sum(out**2) + jnp.sum(jax.lax.stop_gradient(tangent) * out)
+
+        return of
+
+    grad = jax.jit(jax.grad(loss(run_triton)))
+    assert_close(grad(q), jax.grad(loss(oracle))(q), jnp.float32, grad=True)
+    assert tangent_kernel_calls
+    program = grad.lower(q).compile().as_text()
+    assert "40,56]" not in program and "56,40]" not in program
