@@ -5,8 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 70 (forward mode's tangent kernel on the GPU), then 12's parts that runs
-# 44-47 did not reach.
+# Not yet run: 71 and 72, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -22,7 +21,7 @@
 # 68 with 69, 67, 1, 65 and 23 (run 127: 69's probe at the ISAB shape; run 128: the
 # vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66; runs 130-132
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
-# (an H200) ran 59, 60, 11 and 15.
+# (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -794,6 +793,30 @@ case "${1:?stage 1 to 70}" in
     # 128, causal and not, with each program's scratch memory. 240 + 330 s: one call.
     gpu_tests 240 -k "forward_mode or higher_derivatives"
     suite 330 forward_mode --suite forward_mode --seq 4096 16384
+    ;;
+  71)
+    # Forward mode's cuDNN-route GPU test (mended after run 137); where JAX's route to
+    # cuDNN loses its 3-7% to torch's at B4 H8 T4096 hd 128 fwd+bwd (every device event,
+    # memsets included); then the tangent kernel's tiles (`jax.jvp` of Triton pinned:
+    # run 137 took 2.49 ms at hd 128 where Triton's forward takes ~0.5), with the forward
+    # alone to subtract. 110 + 90 + 270 + 60 s.
+    gpu_tests 100 -k "forward_mode_kernel_on_gpu"
+    step 90 trace_cudnn python3 -m bench.trace_program --shape 4,4096,4096,8,8 \
+      --routes "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    step 270 sweep_tangent python3 -m bench.sweep_attention --out "$out/sweep_tangent.json" \
+      --implementation triton --seq 4096 --head-dim 64 128 --causal 0 1 --part tangent
+    step 60 sweep_tangent_fwd python3 -m bench.sweep_attention --defaults --part fwd \
+      --out "$out/sweep_tangent_fwd.json" --implementation triton --seq 4096 \
+      --head-dim 64 128 --causal 0 1
+    ;;
+  72)
+    # Decoding one query over 131k keys, batch 1, 32 heads over 8: cuDNN's kernels read
+    # K/V at 4.1-4.2 TB/s on the H200, ours at 3.7-4.0 (runs 107, 134); the H100's gap is
+    # 3% (run 119). Memory and stall counters side by side (H200 wanted).
+    step 200 ncu_decode_gqa env NCU_LIMIT=180 \
+      NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
+      bash bench/ncu.sh "$out" decode_gqa bench.attention_work triton torch-cudnn \
+      --shape 1,1,131072,32,8 --launch 1 --forward-only
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -45,6 +45,20 @@ BWD = [
     (16, 128, 4, 4),
     (128, 128, 8, 2),
 ]
+# Forward mode's tangent kernel, as dQ fields (`tangent_config` launches it with the dQ
+# kernel's tiles, shrunk to fit): (queries, keys per step, num_warps, num_stages).
+TANGENT = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 32, 4, 3),
+    (64, 64, 8, 2),
+    (128, 32, 8, 2),
+    (128, 64, 8, 2),
+    (128, 32, 4, 2),
+    (32, 64, 4, 3),
+    (128, 32, 8, 3),
+    (32, 32, 4, 3),
+]
 # float32: 2 x 32 x 256 float32 accumulators of the dK/dV kernel's 32-key tiles are 128
 # registers a thread at 4 warps. hd 256, run 25: 378 ms fwd+bwd at 32 x 32 tiles; run 26:
 # 51 ms with 16-query steps (32 x 32: 359 ms at 4 or 8 warps).
@@ -134,6 +148,8 @@ def _configs(implementation, float32=False):
         )
         for a, b, w, s in (BWD_FLOAT32 if float32 else BWD)
     ]
+    keys = ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd")
+    out += [("tangent", dict(zip(keys, tiles))) for tiles in TANGENT]
     return out
 
 
@@ -152,6 +168,9 @@ def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
     if part == "fwd":
         fwd = jax.jit(f)
         return dict(fwd_ms=time_fn(lambda: fwd(q, k, v), jax.block_until_ready))
+    if part == "tangent":  # `jax.jvp`: the forward (the same for every row) and the tangent
+        jvp = jax.jit(lambda p, t: jax.jvp(f, p, t))
+        return dict(jvp_ms=time_fn(lambda: jvp((q, k, v), (ct, ct, ct)), jax.block_until_ready))
     bwd = fwd_bwd_program(f)
     return dict(fwd_bwd_ms=time_fn(lambda: bwd(q, k, v, ct), jax.block_until_ready))
 
@@ -162,7 +181,9 @@ def main():
     parser.add_argument("--implementation", choices=sorted(CONFIG_TYPES), default="triton")
     parser.add_argument("--seq", type=int, nargs="*", default=[4096])
     parser.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
-    parser.add_argument("--part", choices=["fwd", "bwd"], nargs="*", default=["fwd", "bwd"])
+    parser.add_argument(
+        "--part", choices=["fwd", "bwd", "tangent"], nargs="*", default=["fwd", "bwd"]
+    )
     parser.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
@@ -193,7 +214,7 @@ def _sweep(args, seq, kv_seq, writer):
         configs = _configs(args.implementation, args.dtype == "float32")
         only = [{}] if args.defaults else args.config  # --defaults: `--config '{}'`
         if only is not None:
-            configs = [(part, kwargs) for part in ("fwd", "bwd") for kwargs in only]
+            configs = [(part, kwargs) for part in ("fwd", "bwd", "tangent") for kwargs in only]
         for causal in map(bool, args.causal):
             mask = masks.Causal() if causal else None
             for part, kwargs in configs:
@@ -226,6 +247,7 @@ def _sweep(args, seq, kv_seq, writer):
                     kwargs,
                     row.get("fwd_ms"),
                     row.get("fwd_bwd_ms"),
+                    row.get("jvp_ms"),
                     row["status"],
                     flush=True,
                 )
