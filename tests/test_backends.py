@@ -182,6 +182,26 @@ def test_auto_on_cpu_explains_itself():
         assert dict(choice.rejected)["triton"]
 
 
+def test_explain_says_what_forward_mode_runs():
+    """`jax.jvp`'s tangent: Triton's kernel wherever Triton computes the call (cuDNN chosen
+    on sm_90 too), XLA's JVP where XLA was chosen, and the reason where Triton refuses."""
+    from probjax_eqx import attention
+    from probjax_eqx.backends import Choice
+
+    backend = resolve("attention", device=H200, environ={})
+    choice = explain_attention(*shapes(), implementation=backend)
+    assert choice.kernel == "cudnn"
+    assert choice.forward_mode.startswith("Triton's one-pass tangent kernel (64x64 tiles")
+    assert "forward mode (jax.jvp): Triton's" in str(choice)
+    mod = biases.RelativePosition(jnp.zeros((4, 15)), max_distance=7)
+    choice = explain_attention(*shapes(), score_mod=mod, implementation=backend)
+    assert choice.kernel == "xla" and choice.forward_mode.startswith("XLA's JVP of the chosen")
+    dense = attention._describe(*shapes(), masks.DenseMask(jnp.ones((1, 1, 128, 128), bool)), None)
+    _, why = attention._tangent_plan(dense, Choice("cudnn", None, "test"), backend)
+    assert why.startswith("XLA's JVP of the reference, with the full score matrix")
+    assert "a dense mask cannot be evaluated per tile" in why
+
+
 def test_explain_dispatch():
     from probjax_eqx import dot_product_attention
 

@@ -14,6 +14,7 @@ flags and picks no kernel for you; torch `flex_attention` takes `score_mod` /
 fastest exact kernel and tells you why (`explain`).
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -288,20 +289,40 @@ def _run(q, k, v, mask, score_mod, scale, implementation, config) -> Array:
     return kernel_then_reference(kernel, reference, q, k, v, mask, score_mod, tangent=tangent)
 
 
-def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod, scale):
-    """`tangent(args, tangents)` for `kernel_then_reference`: Triton's forward-mode kernel.
+def _tangent_plan(call, choice: Choice, backend: Backend) -> tuple[object, str]:
+    """Forward mode's kernel for a call: `(config, why)`, config None for XLA's JVP.
 
-    Whichever kernel runs the call, its tangent is Triton's one pass (`flash_tangent`),
-    through the score mod's parameters too (ALiBi's slopes), where Triton computes the
-    call, with the chosen config if Triton was chosen. None (the reference's JVP) where
-    it cannot.
+    Whichever kernel runs the call, its tangent is Triton's one pass (`flash_tangent`)
+    where Triton computes the call, with the chosen config if Triton was chosen; else
+    the reference's JVP, which holds the score matrix and its tangent.
     """
+    if choice.kernel == "xla":
+        return None, "XLA's JVP of the chosen XLA attention"
     triton = _IMPLEMENTATIONS["triton"]
     config = choice.config if choice.kernel == "triton" else None
-    if triton.check(call, backend.device, config) is not None:
-        return None
+    why = triton.check(call, backend.device, config)
+    if why is not None:
+        return None, (
+            "XLA's JVP of the reference, with the full score matrix and its tangent: "
+            f"Triton's tangent kernel cannot compute this call ({why})"
+        )
     config = triton.default_config(call, backend.device) if config is None else config
     config = triton.tangent_config(config, call, backend.device)
+    return config, (
+        f"Triton's one-pass tangent kernel ({config.block_q}x{config.block_k} tiles, "
+        f"{config.num_warps} warps, {config.num_stages} stages), no score matrix"
+    )
+
+
+def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod, scale):
+    """`tangent(args, tangents)` for `kernel_then_reference` (None: the reference's JVP).
+
+    Triton's forward-mode kernel, through the score mod's parameters too (ALiBi's slopes).
+    """
+    config, _ = _tangent_plan(call, choice, backend)
+    if config is None:
+        return None
+    triton = _IMPLEMENTATIONS["triton"]
 
     def tangent(args, tangents):
         q, k, v, mask, score_mod = args
@@ -312,7 +333,9 @@ def _forward_mode_kernel(call, choice: Choice, backend: Backend, mask, score_mod
 
 
 def _explain(q, k, v, mask, score_mod, implementation, config) -> Choice:
-    return _select(q, k, v, mask, score_mod, implementation, config)[3]
+    backend = _backend(implementation)
+    _, _, call, choice = _select(q, k, v, mask, score_mod, backend, config)
+    return dataclasses.replace(choice, forward_mode=_tangent_plan(call, choice, backend)[1])
 
 
 def _bias_to_score_mod(bias: object) -> AbstractScoreMod | None:

@@ -272,16 +272,21 @@ class Choice:
         config: its config (tiles etc.), or `None` where it has none.
         reason: why it was taken.
         rejected: `(name, reason)` for each candidate passed over, in priority order.
+        forward_mode: what `jax.jvp` runs for the call's tangent, and why ("" where the
+            op does not say).
     """
 
     kernel: str
     config: Any
     reason: str
     rejected: tuple[tuple[str, str], ...] = ()
+    forward_mode: str = ""
 
     def __str__(self) -> str:
         lines = [f"chose {self.kernel!r}: {self.reason}"]
         lines += [f"  rejected {name!r}: {why}" for name, why in self.rejected]
+        if self.forward_mode:
+            lines.append(f"  forward mode (jax.jvp): {self.forward_mode}")
         return "\n".join(lines)
 
 
