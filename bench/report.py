@@ -126,6 +126,18 @@ def _fmt(value, digits=3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _bytes(count) -> str:
+    """`count` bytes in the largest binary unit that keeps it >= 1: flash kernels' few KiB
+    of statistics and XLA's GiBs of score matrices in one column."""
+    if count is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:.3g} GiB"
+
+
 def gpu_test_counts(folder: pathlib.Path, name: str) -> list[str]:
     """One line per saved GPU test log of `name`'s GPU (`<name>_gpu_tests*.txt`)."""
     lines = []
@@ -184,7 +196,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
         memory = suite in ("moe", "forward_mode")
         header = "| case | implementation | status | fwd ms | fwd+bwd / step ms | TFLOP/s | ratio |"
         lines += [
-            header + (" plan GiB |" if memory else "") + " run |",
+            header + (" scratch |" if memory else "") + " run |",
             "|---" * (8 + memory) + "|",
         ]
         for case in by_suite[suite]:
@@ -207,8 +219,7 @@ def render(rows: list[dict], out: pathlib.Path, name: str, logs: pathlib.Path | 
                 cells = [label, mark, status, _fmt(row.get("fwd_ms")), _fmt(t),
                          _fmt(row.get("tflops_fwd_bwd"), 0), _fmt(ratio, 2)]  # fmt: skip
                 if memory:
-                    plan = row.get("temp_bytes")
-                    cells.append(_fmt(None if plan is None else plan / 2**30, 2))
+                    cells.append(_bytes(row.get("temp_bytes")))
                 cells.append(str(row.get("run", "-")))  # old runs may predate the code
                 lines.append("| " + " | ".join(cells) + " |")
                 if ratio is not None and impl != default:

@@ -44,7 +44,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     assert "jax.nn xla | ok, grads 1.2e-02 | 2.000 | 6.000 | - | 3.00 |" in text
     assert "torch sdpa flash | ok | 0.333 | 1.000 | - | - |" in text
     assert "unsup.: UnsupportedError: no" in text
-    assert "| 1.00 | 1.00 |" in text.split("## moe")[1]  # ratio, then the plan in GiB
+    assert "| 1.00 | 1 GiB |" in text.split("## moe")[1]  # ratio, then the scratch
     assert "2 passed, 1 failed" in text
     assert "torch sdpa cudnn takes 0.80x our time" in text
     assert "(run 1; our default's newest row, run 2, has no peer beside it)" in text
