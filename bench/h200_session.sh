@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 71 and 72, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 72 and 73, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -21,7 +21,7 @@
 # 68 with 69, 67, 1, 65 and 23 (run 127: 69's probe at the ISAB shape; run 128: the
 # vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66; runs 130-132
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
-# (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70.
+# (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, run 138 (H100) 71.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -817,6 +817,18 @@ case "${1:?stage 1 to 70}" in
       NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
       bash bench/ncu.sh "$out" decode_gqa bench.attention_work triton torch-cudnn \
       --shape 1,1,131072,32,8 --launch 1 --forward-only
+    ;;
+  73)
+    # Forward mode's tangent kernel at its own tiles (`TANGENT_TILES`, from run 138's
+    # sweep): the tiles that sweep did not reach (hd 64's larger ones), then `jax.jvp`
+    # beside XLA's JVPs again at the new defaults. 200 + 300 s.
+    step 200 sweep_tangent python3 -m bench.sweep_attention --out "$out/sweep_tangent.json" \
+      --implementation triton --seq 4096 --head-dim 64 128 --causal 0 1 --part tangent \
+      --config '{"tangent_tiles": [64, 64, 4, 3]}' '{"tangent_tiles": [128, 64, 8, 2]}' \
+      '{"tangent_tiles": [128, 64, 4, 2]}' '{"tangent_tiles": [128, 64, 8, 3]}' \
+      '{"tangent_tiles": [128, 64, 4, 3]}' '{"tangent_tiles": [64, 64, 4, 4]}' \
+      '{"tangent_tiles": [64, 128, 4, 2]}' '{}'
+    suite 300 forward_mode --suite forward_mode --seq 4096 16384
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

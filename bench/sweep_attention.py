@@ -12,8 +12,10 @@ import jax
 
 from bench.harness import RowWriter, classify, fwd_bwd_program, time_fn, warm_up_device
 from probjax_eqx import biases, explain_attention, flex_attention, masks
+from probjax_eqx.attention_call import AttentionCall
+from probjax_eqx.backends import detect_device
 from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig
-from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
+from probjax_eqx.kernels.triton.attention import TritonAttentionConfig, tangent_config
 
 # Triton: (block_q, block_k, num_warps, num_stages[, num_splits]) of the forward.
 FWD = [
@@ -45,8 +47,8 @@ BWD = [
     (16, 128, 4, 4),
     (128, 128, 8, 2),
 ]
-# Forward mode's tangent kernel, as dQ fields (`tangent_config` launches it with the dQ
-# kernel's tiles, shrunk to fit): (queries, keys per step, num_warps, num_stages).
+# Forward mode's tangent kernel (`tangent_tiles`): (queries, keys per step, num_warps,
+# num_stages). Tiles that `tangent_config` would shrink to fit are rows marked unsup.
 TANGENT = [
     (64, 64, 4, 2),
     (64, 64, 4, 3),
@@ -58,6 +60,11 @@ TANGENT = [
     (32, 64, 4, 3),
     (128, 32, 8, 3),
     (32, 32, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 8, 3),  # hd 64 only, as the three below
+    (128, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 128, 4, 2),
 ]
 # float32: 2 x 32 x 256 float32 accumulators of the dK/dV kernel's 32-key tiles are 128
 # registers a thread at 4 warps. hd 256, run 25: 378 ms fwd+bwd at 32 x 32 tiles; run 26:
@@ -148,8 +155,7 @@ def _configs(implementation, float32=False):
         )
         for a, b, w, s in (BWD_FLOAT32 if float32 else BWD)
     ]
-    keys = ("block_q_dq", "block_k_dq", "num_warps_bwd", "num_stages_bwd")
-    out += [("tangent", dict(zip(keys, tiles))) for tiles in TANGENT]
+    out += [("tangent", dict(tangent_tiles=tiles)) for tiles in TANGENT]
     return out
 
 
@@ -157,6 +163,13 @@ def _config(q, k, v, mask, mod, implementation, kwargs):
     """The default config for this call with `kwargs` replaced (the other half fits)."""
     choice = explain_attention(q, k, v, mask=mask, score_mod=mod, implementation=implementation)
     return dataclasses.replace(choice.config, **kwargs)
+
+
+def tangent_launch(q, k, v, mask, mod, cfg, device) -> tuple[int, int, int, int]:
+    """The forward-mode kernel's (block_q, block_k, num_warps, num_stages) for `cfg`."""
+    call = AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, mod)
+    launch = tangent_config(cfg, call, device)
+    return (launch.block_q, launch.block_k, launch.num_warps, launch.num_stages)
 
 
 def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
@@ -237,6 +250,15 @@ def _sweep(args, seq, kv_seq, writer):
                 try:
                     cfg = _config(q, k, v, mask, mod, args.implementation, kwargs)
                     row["resolved"] = dataclasses.asdict(cfg)  # kwargs over the default
+                    if part == "tangent":
+                        launch = tangent_launch(q, k, v, mask, mod, cfg, detect_device())
+                        row["tangent_launch"] = launch
+                        named = kwargs.get("tangent_tiles")
+                        if named is not None and tuple(named) != launch:
+                            row["status"] = "unsup."
+                            row["message"] = f"shrinks to {launch} to fit shared memory"
+                            writer.add(row)
+                            continue
                     row.update(_measure(q, k, v, ct, mask, mod, cfg, part, args.implementation))
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)

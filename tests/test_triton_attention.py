@@ -174,20 +174,43 @@ def test_tile_selection_fits_shared_memory():
 
 
 def test_tangent_launch_fits_shared_memory():
-    """The tangent kernel holds twice the forward's operand tiles: its launch shrinks the
-    dQ tiles it starts from until they fit (hd 256 bf16: 64 keys a step would not)."""
+    """The tangent kernel holds twice the forward's operand tiles: its launch shrinks its
+    tiles until they fit (hd 256 bf16: 64 keys a step would not). On Hopper 16-bit heads
+    of <= 128 dims take `TANGENT_TILES`; float32, wider heads and other GPUs the dQ
+    kernel's launch; short sequences tiles no longer than themselves."""
     h200 = DeviceInfo("gpu", "NVIDIA H200", "sm_90")
-    for dtype, d in (("bfloat16", 256), ("float32", 256), ("bfloat16", 128), ("float16", 64)):
+    a100 = DeviceInfo("gpu", "NVIDIA A100", "sm_80")
+    expected = {  # (block_q, block_k, warps, stages)
+        ("bfloat16", 128, h200): (128, 64, 8, 2),
+        ("float16", 64, h200): (64, 64, 4, 3),
+        ("bfloat16", 32, h200): (64, 64, 4, 3),
+        ("float32", 128, h200): (32, 32, 4, 2),  # the dQ kernel's float32 tiles
+        ("bfloat16", 128, a100): (64, 64, 4, 2),
+    }
+    cases = [("bfloat16", 256, h200), ("float32", 256, h200), *expected]
+    for dtype, d, device in cases:
         call = AttentionCall(4, 4096, 4096, 8, 8, d, d, dtype)
-        cfg = triton_attention.tangent_config(triton_attention.default_config(call, h200), call,
-                                              h200)  # fmt: skip
+        cfg = triton_attention.tangent_config(triton_attention.default_config(call, device),
+                                              call, device)  # fmt: skip
         itemsize = 4 if dtype == "float32" else 2
+        limit = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}[device.compute_capability]
         used = 2 * triton_attention.smem_bytes(cfg.block_q, cfg.block_k, d, d, itemsize,
                                                cfg.num_stages)  # fmt: skip
-        assert used <= 227 * 1024, (dtype, d, cfg)
+        assert used <= limit, (dtype, d, cfg)
         assert (cfg.num_splits, cfg.pack_gqa) == (1, False)
-        if d <= 128:  # the dQ kernel's tiles as they are
-            assert (cfg.block_q, cfg.block_k) == (64, 64), (dtype, d, cfg)
+        launch = (cfg.block_q, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        assert launch == expected.get((dtype, d, device), launch), (dtype, d, device, launch)
+    short = AttentionCall(2, 24, 40, 4, 4, 64, 64, "bfloat16")
+    cfg = triton_attention.tangent_config(triton_attention.default_config(short, h200), short,
+                                          h200)  # fmt: skip
+    assert (cfg.block_q, cfg.block_k, cfg.num_warps) == (32, 64, 4)
+    asked = dataclasses.replace(triton_attention.default_config(short, h200),
+                                tangent_tiles=(16, 16, 2, 1))  # fmt: skip
+    cfg = triton_attention.tangent_config(asked, short, h200)
+    assert (cfg.block_q, cfg.block_k, cfg.num_warps, cfg.num_stages) == (16, 16, 2, 1)
+    for bad in ((48, 64, 4, 2), (64, 8, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0)):
+        with pytest.raises(ValueError, match="tangent_tiles"):
+            triton_attention.TritonAttentionConfig(tangent_tiles=bad)
 
 
 def test_wide_float32_backward_steps_16_rows():

@@ -79,6 +79,9 @@ class TritonAttentionConfig:
             2.00 / 2.00.
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
+        tangent_tiles: forward mode's kernel (`jax.jvp`) as (query rows per program,
+            keys per loop step, warps, stages); None: `TANGENT_TILES`. Shrunk, like
+            every tile, while its shared memory would not fit.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
@@ -97,6 +100,7 @@ class TritonAttentionConfig:
     num_splits_dq: int = 1
     group_dkv: bool = False
     pack_gqa: bool = False
+    tangent_tiles: tuple[int, int, int, int] | None = None
     interpret: bool = False
 
     def __post_init__(self):
@@ -117,6 +121,20 @@ class TritonAttentionConfig:
         for field in ("num_warps", "num_warps_bwd"):
             if getattr(self, field) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{field}={getattr(self, field)} must be 1, 2, 4, 8 or 16")
+        if self.tangent_tiles is not None:
+            # A tuple (hashable: configs are static arguments), from JSON's lists too.
+            object.__setattr__(self, "tangent_tiles", tuple(self.tangent_tiles))
+            bq, bk, warps, stages = self.tangent_tiles
+            if not all(_pow2(b) and b >= _MIN_BLOCK for b in (bq, bk)):
+                raise ValueError(
+                    f"tangent_tiles={self.tangent_tiles}: its tiles must be powers of two "
+                    f">= {_MIN_BLOCK}"
+                )
+            if warps not in (1, 2, 4, 8, 16) or stages < 1:
+                raise ValueError(
+                    f"tangent_tiles={self.tangent_tiles}: warps must be 1, 2, 4, 8 or 16 "
+                    "and stages >= 1"
+                )
         for field in ("num_stages", "num_stages_bwd"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
@@ -130,6 +148,11 @@ class TritonAttentionConfig:
                 "group_dkv sums dK/dV in the split backward's dK/dV kernel: the fused "
                 "backward's dQ atomics index one query head a program"
             )
+
+
+def _fit(block: int, n: int) -> int:
+    """`block`, or the power of two (>= the minimum tile) that covers `n` if smaller."""
+    return max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))
 
 
 def _padded_dim(d: int) -> int:
@@ -229,14 +252,12 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     # 8 warps, 3 stages for dense hd 128; masks that empty tiles (causal, windows) gain
     # from finer 64x64 tiles with 4 warps.
     fine = any(t[0] in _TILE_SKIPPING for t in call.mask_terms) and d > 64
-    # Short sequences do not need tiles longer than themselves.
-    fit = lambda block, n: max(_MIN_BLOCK, min(block, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
     pack, rows, _ = _query_rows(call)
     # One query tile of 16 rows per head (decoding) is bandwidth-bound: its key steps,
     # warps and stages per registry entry (`DECODE_TILES`).
     decode = rows <= _MIN_BLOCK
     decode_k, decode_warps, stages = DECODE_TILES.get(device.registry_key, DECODE_TILES["generic"])
-    block_q, block_k = fit(64 if fine else 128, rows), (decode_k if decode else 64)
+    block_q, block_k = _fit(64 if fine else 128, rows), (decode_k if decode else 64)
     stages = stages if decode else 3
     while smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
         if block_k > 32:
@@ -246,7 +267,7 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
         else:
             stages = 1
             break
-    block_k = fit(block_k, call.kv_len)
+    block_k = _fit(block_k, call.kv_len)
     bwd = 64 if d <= 64 or itemsize == 2 else 32
     # Wide float32 heads step 16 queries at a time through the dK/dV kernel (and 16 keys
     # through dQ): with 32 x 256 float32 tiles the backward spilled, 359 ms fwd+bwd at
@@ -260,10 +281,10 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> TritonAttentionCo
     config = TritonAttentionConfig(
         block_q=block_q,
         block_k=block_k,
-        block_q_dkv=fit(step, call.q_len),
-        block_k_dkv=128 if wide_dkv else fit(bwd, call.kv_len),
-        block_q_dq=fit(bwd, call.q_len),
-        block_k_dq=fit(step, call.kv_len),
+        block_q_dkv=_fit(step, call.q_len),
+        block_k_dkv=128 if wide_dkv else _fit(bwd, call.kv_len),
+        block_q_dq=_fit(bwd, call.q_len),
+        block_k_dq=_fit(step, call.kv_len),
         num_warps=decode_warps if decode else 4 if d <= 64 or fine else 8,
         num_warps_bwd=4,
         num_stages=stages,
@@ -1259,10 +1280,20 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
     )  # fmt: skip
 
 
+# Forward mode's kernel (query rows, keys per step, warps, stages) for 16-bit heads, by
+# registry entry and head dim. H100 run 138 (`jax.jvp` of Triton pinned, B4 H8 T4096
+# bf16, ms; the forward alone 0.39 / 0.26 at hd 64, 0.66 / 0.40 at hd 128, dense /
+# causal): hd 64, 64 x 64 with 4 warps and 3 stages 1.34 / 0.78 against 1.44 / 0.80 at
+# the dQ kernel's 2 stages; hd 128, 128 x 64 with 8 warps and 2 stages 2.29 / 1.35
+# against 2.71 / 1.52. Wider heads, float32 and generic devices (not timed) keep the dQ
+# kernel's launch.
+TANGENT_TILES = {"sm_90": {64: (64, 64, 4, 3), 128: (128, 64, 8, 2)}, "generic": {}}
+
+
 def tangent_config(
     config: TritonAttentionConfig, call: AttentionCall, device: DeviceInfo
 ) -> TritonAttentionConfig:
-    """The forward-mode kernel's launch: the dQ kernel's tiles, warps and stages.
+    """The forward-mode kernel's launch: `config.tangent_tiles`, else `TANGENT_TILES`.
 
     Shrunk while its shared memory would not fit. Like the dQ kernel it keeps a query
     tile and loops over keys, with twice the operands (q and its tangent; K, V and
@@ -1270,7 +1301,14 @@ def tangent_config(
     """
     itemsize = 4 if call.dtype == "float32" else 2
     limit = _SMEM_LIMIT.get(device.compute_capability or "", _SMEM_DEFAULT)
-    block_q, block_k, stages = config.block_q_dq, config.block_k_dq, config.num_stages_bwd
+    d = max(call.qk_dim, call.v_dim)
+    by_dim = TANGENT_TILES.get(device.registry_key, TANGENT_TILES["generic"])
+    measured = next((t for dim, t in sorted(by_dim.items()) if d <= dim), None)
+    dq = (config.block_q_dq, config.block_k_dq, config.num_warps_bwd, config.num_stages_bwd)
+    tiles = config.tangent_tiles or (measured if itemsize == 2 and measured else dq)
+    block_q, block_k, warps, stages = tiles
+    if config.tangent_tiles is None:  # short sequences need no tiles longer than themselves
+        block_q, block_k = _fit(block_q, call.q_len), _fit(block_k, call.kv_len)
     while 2 * smem_bytes(block_q, block_k, call.qk_dim, call.v_dim, itemsize, stages) > limit:
         if block_k > _MIN_BLOCK:
             block_k //= 2
@@ -1284,7 +1322,7 @@ def tangent_config(
         config,
         block_q=block_q,
         block_k=block_k,
-        num_warps=config.num_warps_bwd,
+        num_warps=warps,
         num_stages=stages,
         num_splits=1,
         pack_gqa=False,
