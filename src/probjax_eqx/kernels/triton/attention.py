@@ -80,8 +80,9 @@ class TritonAttentionConfig:
         pack_gqa: run the query heads that share a KV head as rows of one tile, so K/V
             are read once per group (masks that ignore the query position only).
         tangent_tiles: forward mode's kernel (`jax.jvp`) as (query rows per program,
-            keys per loop step, warps, stages); None: `TANGENT_TILES`. Shrunk, like
-            every tile, while its shared memory would not fit.
+            keys per loop step, warps, stages); None: `TANGENT_TILES` where measured
+            (16-bit heads on Hopper), else the dQ kernel's launch. Shrunk while its
+            shared memory would not fit.
         interpret: run in Pallas interpret mode (CPU tests).
     """
 
