@@ -813,15 +813,15 @@ case "${1:?stage 1 to 70}" in
   72)
     # Decoding one query over 131k keys, batch 1, 32 heads over 8: cuDNN's kernels read
     # K/V at 4.1-4.2 TB/s on the H200, ours at 3.7-4.0 (runs 107, 134); the H100's gap is
-    # 3% (run 119). Memory and stall counters side by side (H200 wanted); then the same
-    # calls alone and per call in a stack of 4 layers, where JAX's per-program costs
-    # (jax.nn's cuDNN call took 0.140 ms to torch's 0.130 in run 134) are shared.
+    # 3% (run 119). The calls alone and per call in a stack of 4 layers, where JAX's
+    # per-program costs (jax.nn's cuDNN call took 0.140 ms to torch's 0.130 in run 134)
+    # are shared; then memory and stall counters side by side (H200 wanted).
+    suite 150 decode_stack --suite decode --set batch=1 q_len=1 ragged=false layers=1,4 \
+      kv_len=131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     step 200 ncu_decode_gqa env NCU_LIMIT=180 \
       NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
       bash bench/ncu.sh "$out" decode_gqa bench.attention_work triton torch-cudnn \
       --shape 1,1,131072,32,8 --launch 1 --forward-only
-    suite 200 decode_stack --suite decode --set batch=1 q_len=1 ragged=false layers=1,4 \
-      kv_len=131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   73)
     # Forward mode's tangent kernel at its own tiles (`TANGENT_TILES`, from run 138's
