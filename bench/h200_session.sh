@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 72, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 72 and 74, then 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -834,6 +834,18 @@ case "${1:?stage 1 to 70}" in
       '{"tangent_tiles": [128, 64, 4, 3]}' '{"tangent_tiles": [64, 64, 4, 4]}' \
       '{"tangent_tiles": [64, 128, 4, 2]}' '{}'
     suite 300 forward_mode --suite forward_mode --seq 4096 16384
+    ;;
+  74)
+    # Forward mode with keys and values held fixed (a context's, as in a consistency
+    # model's cross-attention): they reach the tangent kernel as symbolic zeros, which
+    # skip 2 of its 6 products; beside the same `jax.jvp` along q, k and v. Then stage
+    # 72. 60 + 60 s, then 150 + 200.
+    for moving in q qkv; do
+      step 60 "tangent_$moving" python3 -m bench.sweep_attention --defaults --part tangent \
+        --out "$out/sweep_tangent_$moving.json" --implementation triton --seq 4096 \
+        --head-dim 64 128 --causal 0 --moving "$moving"
+    done
+    bash "$0" 72
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

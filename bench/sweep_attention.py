@@ -172,7 +172,7 @@ def tangent_launch(q, k, v, mask, mod, cfg, device) -> tuple[int, int, int, int]
     return (launch.block_q, launch.block_k, launch.num_warps, launch.num_stages)
 
 
-def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
+def _measure(q, k, v, ct, mask, mod, cfg, part, implementation, moving="qkv"):
     def f(q, k, v):
         return flex_attention(
             q, k, v, mask=mask, score_mod=mod, implementation=implementation, config=cfg
@@ -182,8 +182,15 @@ def _measure(q, k, v, ct, mask, mod, cfg, part, implementation):
         fwd = jax.jit(f)
         return dict(fwd_ms=time_fn(lambda: fwd(q, k, v), jax.block_until_ready))
     if part == "tangent":  # `jax.jvp`: the forward (the same for every row) and the tangent
-        jvp = jax.jit(lambda p, t: jax.jvp(f, p, t))
-        return dict(jvp_ms=time_fn(lambda: jvp((q, k, v), (ct, ct, ct)), jax.block_until_ready))
+        # along the `moving` arguments; the others are held fixed (a context's K / V).
+        args = dict(q=q, k=k, v=v)
+
+        def g(*moved):
+            return f(**dict(args, **dict(zip(moving, moved, strict=True))))
+
+        jvp = jax.jit(lambda p, t: jax.jvp(g, p, t))
+        primals, tangents = tuple(args[n] for n in moving), (ct,) * len(moving)
+        return dict(jvp_ms=time_fn(lambda: jvp(primals, tangents), jax.block_until_ready))
     bwd = fwd_bwd_program(f)
     return dict(fwd_bwd_ms=time_fn(lambda: bwd(q, k, v, ct), jax.block_until_ready))
 
@@ -204,6 +211,9 @@ def main():
     parser.add_argument("--kv-seq", type=int, help="keys per row (default: each --seq)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--softcap", type=float, help="a SoftCap score mod of this cap")
+    parser.add_argument(
+        "--moving", default="qkv", help="tangent part: the arguments with tangents (q, k, v)"
+    )
     parser.add_argument("--defaults", action="store_true", help="only the default config")
     parser.add_argument(
         "--config", type=json.loads, nargs="*", help="only these JSON field overrides"
@@ -244,6 +254,7 @@ def _sweep(args, seq, kv_seq, writer):
                     dtype=args.dtype,
                     causal=causal,
                     softcap=args.softcap,
+                    **({"moving": args.moving} if part == "tangent" else {}),
                     config=kwargs,
                     status="ok",
                 )
@@ -259,7 +270,11 @@ def _sweep(args, seq, kv_seq, writer):
                             row["message"] = f"shrinks to {launch} to fit shared memory"
                             writer.add(row)
                             continue
-                    row.update(_measure(q, k, v, ct, mask, mod, cfg, part, args.implementation))
+                    row.update(
+                        _measure(
+                            q, k, v, ct, mask, mod, cfg, part, args.implementation, args.moving
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001 - every failure becomes a row
                     row["status"], row["message"] = classify(e)
                 writer.add(row)

@@ -635,6 +635,37 @@ def test_forward_mode_kernel_under_vmap_and_through_parameters(getkey, tangent_k
     assert len(tangent_kernel_calls) == 3
 
 
+@pytest.mark.parametrize("moving", ["q", "kv", "v", "qk"])
+def test_forward_mode_kernel_skips_arguments_held_fixed(getkey, monkeypatch, moving):
+    """An argument that does not depend on what `jax.jvp` differentiates (keys and values
+    of a fixed context) reaches the tangent kernel as None, which skips its products; the
+    tangent still equals the oracle's, under a mask with lengths and rows without keys."""
+    q, k, v = make_qkv(getkey(), q_len=20, kv_len=37, dtype=jnp.bfloat16)
+    tq, tk, tv = make_qkv(getkey(), q_len=20, kv_len=37, dtype=jnp.bfloat16)
+    mask = masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 30]))
+    seen = []
+    run = triton_attention.flash_tangent
+    monkeypatch.setattr(triton_attention, "flash_tangent",
+                        lambda *a, **kw: seen.append(a[3:6]) or run(*a, **kw))  # fmt: skip
+    names = [n for n in "qkv" if n in moving]
+    primal, tangent = dict(q=q, k=k, v=v), dict(q=tq, k=tk, v=tv)
+
+    def of(attention):
+        def f(*moved):
+            args = dict(primal, **dict(zip(names, moved, strict=True)))
+            return attention(args["q"], args["k"], args["v"], mask, None)
+
+        return f
+
+    up = lambda xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+    moved, t_moved = [primal[n] for n in names], [tangent[n] for n in names]
+    got = jax.jvp(of(lambda *a: run_triton(*a, CFG)), tuple(moved), tuple(t_moved))[1]
+    want = jax.jvp(lambda *m: of(oracle)(*m), up(moved), up(t_moved))[1]
+    assert_close(got, want, jnp.bfloat16, grad=True)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), 0.0)
+    assert [[t is None for t in ts] for ts in seen] == [[n not in names for n in "qkv"]]
+
+
 def test_gradient_beside_a_stopped_tangent_runs_kernels_only(getkey, tangent_kernel_calls):
     """MeanFlow's and consistency models' losses: `jax.grad` of a loss holding a `jax.jvp`
     whose tangent is a stopped-gradient target. The gradient equals the oracle's, and the

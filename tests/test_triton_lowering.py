@@ -206,3 +206,6 @@ def test_tangent_kernel_lowers(verified_modules, mask, score_mod, d):
 
     lower_for_gpu(tangent, q, k, v, q, k, v)
     assert len(verified_modules) == 1
+    # Keys and values of a fixed context: their tangents None, their products skipped.
+    lower_for_gpu(lambda q, k, v, tq: tangent(q, k, v, tq, None, None), q, k, v, q)
+    assert len(verified_modules) == 2

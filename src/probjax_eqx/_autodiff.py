@@ -17,11 +17,27 @@ import equinox as eqx
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir
 
 
 def _is_float_array(x) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _zeros_to_none(tangents):
+    """A custom JVP's tangents (`symbolic_zeros=True`) with None for each symbolic zero."""
+    is_zero = lambda t: isinstance(t, SymbolicZero)  # noqa: E731
+    return jax.tree.map(lambda t: None if is_zero(t) else t, tangents, is_leaf=is_zero)
+
+
+def _instantiate(primals, tangents):
+    """`tangents` (None where zero) as arrays shaped as `primals`."""
+    return jax.tree.map(lambda p, t: jnp.zeros_like(p) if t is None else t, primals, tangents)
 
 
 class _Linear:
@@ -97,14 +113,16 @@ batching.primitive_batchers[kernel_tangent] = _tangent_batch
 def linear_tangent(evaluate: Callable, transpose: Callable, residuals, tangents, out):
     """The tangent `evaluate(residuals, tangents)` of `out`, transposed by `transpose`.
 
-    `evaluate` is linear in `tangents` (a pytree of float arrays); `transpose(residuals,
-    ct)` maps a cotangent of `out` to one of `tangents`. Both are made of differentiable
-    operations, whose derivatives serve beyond the first. A gradient keeps the arrays of
-    `residuals` until the backward: what both need, nothing more.
+    `evaluate` is linear in `tangents` (a pytree of float arrays, None where a tangent is
+    zero: `evaluate` gets the None); `transpose(residuals, ct)` maps a cotangent of `out`
+    to one of `tangents`, whose entries where `tangents` holds None are dropped. Both are
+    made of differentiable operations, whose derivatives serve beyond the first. A
+    gradient keeps the arrays of `residuals` until the backward: what both need.
     """
     residuals, static = eqx.partition(residuals, eqx.is_array)
     res, res_tree = jax.tree.flatten(residuals)
     t_leaves, t_tree = jax.tree.flatten(tangents)
+    present = jax.tree.unflatten(t_tree, [True] * len(t_leaves))  # None: a zero tangent
     out_leaves, out_tree = jax.tree.flatten(out)
     n = len(res)
 
@@ -116,6 +134,9 @@ def linear_tangent(evaluate: Callable, transpose: Callable, residuals, tangents,
     def transpose_flat(*operands):
         residuals = eqx.combine(jax.tree.unflatten(res_tree, operands[:n]), static)
         t_ct = transpose(residuals, jax.tree.unflatten(out_tree, operands[n:]))
+        t_ct = jax.tree.map(
+            lambda keep, c: None if keep is None else c, present, t_ct, is_leaf=_is_none
+        )
         return [c.astype(t.dtype) for c, t in zip(jax.tree.leaves(t_ct), t_leaves, strict=True)]
 
     avals = [jax.typeof(o).update(weak_type=False) for o in out_leaves]
@@ -189,8 +210,9 @@ def kernel_then_reference(
         *args: pytrees; their floating-point arrays are differentiated, integer arrays
             (lengths, ids) and everything else pass through.
         tangent: `tangent(args, tangents)`, forward mode's kernel: the output's tangent,
-            `tangents` shaped as `args` (None where an array has none). Without it, the
-            reference's JVP.
+            `tangents` shaped as `args` (None where an array has none or its tangent is
+            a symbolic zero: an argument that does not depend on what is differentiated,
+            whose terms a kernel can skip). Without it, the reference's JVP.
 
     Returns:
         `kernel(*args)`. Reverse mode (`jax.grad`, `jax.vjp`) runs the kernel's own VJP;
@@ -207,6 +229,7 @@ def kernel_then_reference(
     kernel_fn, reference_fn = closed(kernel), closed(reference)
 
     def reference_tangent(diff, fixed, t):
+        t = _instantiate(diff, t)
         return jax.jvp(lambda d: reference_fn(d, fixed), (diff,), (t,))[1]
 
     @jax.custom_jvp
@@ -261,15 +284,19 @@ def kernel_then_reference(
     def run(diff, fixed):
         return kernel_fn(diff, fixed)
 
-    @run.defjvp
     def run_jvp(primals, tangents):
         # Differentiated again, this rule must not put the kernels under JAX's JVP: it
         # runs them on arguments whose derivatives are cut, then gives their output its
         # derivatives back by `attach`, and their gradient its own by `pull`.
         diff, fixed = primals
+        t_diff = _zeros_to_none(tangents[0])
         out, pullback = jax.vjp(lambda d: kernel_fn(d, fixed), jax.lax.stop_gradient(diff))
-        return attach(out, pullback, diff, fixed), out_tangent(
-            pullback, out, diff, fixed, tangents[0]
-        )
+        if not jax.tree.leaves(t_diff):
+            return attach(out, pullback, diff, fixed), jax.tree.map(jnp.zeros_like, out)
+        return attach(out, pullback, diff, fixed), out_tangent(pullback, out, diff, fixed, t_diff)
+
+    # Symbolic zeros: an argument the caller does not differentiate (keys and values
+    # from a fixed context) reaches `tangent` as None, not as an array of zeros.
+    run.defjvp(run_jvp, symbolic_zeros=True)
 
     return run(diff, fixed)

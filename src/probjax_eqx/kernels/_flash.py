@@ -249,7 +249,8 @@ def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod,
 
     `tangent_kernels(q, k, v, mask, score_mod)` builds `FlashKernels` with a `tangent`.
     `t_score_mod`: the tangent of the score mod's float arrays (per-head parameters),
-    shaped as `eqx.filter(score_mod, eqx.is_inexact_array)`; None: they are fixed.
+    shaped as `eqx.filter(score_mod, eqx.is_inexact_array)` (None where one is zero);
+    None: they are fixed.
     """
     batch, q_len, heads, _ = q.shape
 
@@ -264,6 +265,10 @@ def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod,
     if floats and t_score_mod is not None:
         diff, static = eqx.partition(score_mod, eqx.is_inexact_array)
         arrays = lambda diff: canonical(eqx.combine(diff, static))[0]  # noqa: E731
+        # None where a parameter's tangent is a symbolic zero.
+        t_score_mod = jax.tree.map(
+            lambda d, t: jnp.zeros_like(d) if t is None else t, diff, t_score_mod
+        )
         t_operands = jax.jvp(arrays, (diff,), (t_score_mod,))[1]
         t_params = tuple(t_operands[n] for n in floats)
     elif floats:

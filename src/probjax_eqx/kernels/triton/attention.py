@@ -676,14 +676,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, build):
     lse_ref[...] = jnp.where(empty, -jnp.inf if splits > 1 else jnp.inf, m + jnp.log2(safe))
 
 
-def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Static, build):
+def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Static, build,
+                    zero: tuple[bool, bool, bool]):  # fmt: skip
     """The output's tangent in one pass over the keys (forward mode).
 
     Along `(tq, tk, tv)` and the score mod's parameters' tangents (refs after the mask
     operands'). With `p = softmax(s)` and `t` the scores' tangent, `to = p tv + (p * t) v - o
     rowsum(p * t)`: three sums rescaled online as the forward's output is, so no score
-    matrix is kept. The forward's own statistics are recomputed beside them.
+    matrix is kept. The forward's own statistics are recomputed beside them. A tangent
+    flagged in `zero` is never read, and its products are skipped.
     """
+    zero_q, zero_k, zero_v = zero
+    scores_move = not (zero_q and zero_k) or bool(st.param_slots)
     n_ops = len(st.kinds)
     range_refs, refs = ((), refs) if st.unmasked else (refs[:4], refs[4:])
     op_refs, refs = refs[:n_ops], refs[n_ops:]
@@ -692,7 +696,8 @@ def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Sta
     t, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = st.config.block_q, st.config.block_k
     i = _flash.last_first(t, st.q_pad // bq)
-    q, tq = q_ref[...], tq_ref[...]
+    q = q_ref[...]
+    tq = None if zero_q else tq_ref[...]
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
     ranges = _query_tile_kv_ranges(st, range_refs, i)
 
@@ -702,33 +707,33 @@ def _tangent_kernel(q_ref, k_ref, v_ref, tq_ref, tk_ref, tv_ref, *refs, st: _Sta
         values = _load_operands(op_refs, st.kinds, q_tile=None, kv_tile=tile)
         mask, mod = build(values)
         kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
-        k, tk = k_ref[tile, :], tk_ref[tile, :]
+        k = k_ref[tile, :]
         raw = plt.dot(q, k, trans_b=True)
-        ts = plt.dot(tq, k, trans_b=True) + plt.dot(q, tk, trans_b=True)
         s, slope = _tile_scores(raw, st, mask, mod, b, h, q_idx, kv_idx, masked=masked)
-        ts = ts * slope
-        if st.param_slots:  # the scores' tangent through the parameters too
+        terms = []  # the scores' tangent
+        if not zero_q:
+            terms.append(plt.dot(tq, k, trans_b=True) * slope)
+        if not zero_k:
+            terms.append(plt.dot(q, tk_ref[tile, :], trans_b=True) * slope)
+        if st.param_slots:  # through the parameters too
             scores_of, params = _scores_of_params(st, build, values, raw, b, h, q_idx, kv_idx)
-            ts = ts + jax.jvp(scores_of, (params,), (t_params,))[1]
+            terms.append(jax.jvp(scores_of, (params,), (t_params,))[1])
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
-        pt = p * ts
-        if masked:  # a masked pair's score tangent is never used, whatever its value
-            pt = jnp.where(s == -jnp.inf, 0.0, pt)
-        v, tv = v_ref[tile, :], tv_ref[tile, :]
+        v = v_ref[tile, :]
         acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
-        t_acc = (
-            t_acc * alpha[:, None] + plt.dot(p.astype(v.dtype), tv) + plt.dot(pt.astype(v.dtype), v)
-        )
-        return (
-            acc,
-            t_acc,
-            m_new,
-            denom * alpha + jnp.sum(p, axis=1),
-            (t_mass * alpha + jnp.sum(pt, axis=1)),
-        )
+        t_acc = t_acc * alpha[:, None]
+        if not zero_v:
+            t_acc = t_acc + plt.dot(p.astype(v.dtype), tv_ref[tile, :])
+        if scores_move:
+            pt = p * functools.reduce(jnp.add, terms)
+            if masked:  # a masked pair's score tangent is never used, whatever its value
+                pt = jnp.where(s == -jnp.inf, 0.0, pt)
+            t_acc = t_acc + plt.dot(pt.astype(v.dtype), v)
+            t_mass = t_mass * alpha + jnp.sum(pt, axis=1)
+        return acc, t_acc, m_new, denom * alpha + jnp.sum(p, axis=1), t_mass
 
     width = to_ref.shape[-1]
     rows = jnp.zeros((bq,), jnp.float32)
@@ -960,10 +965,11 @@ def _forward(st: _Static, build, q, k, v, fwd_ranges, operands):
     return merge_splits(outs[0], outs[1], q.dtype, cfg, rows=st.rows)
 
 
-def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params):
+def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params, zero):
     """The output's tangent (`_tangent_kernel`) of padded, unpacked operands, padded.
 
     `t_params`: the tangents of the score mod's parameters (`st.param_slots`), per head.
+    `zero`: which of `(tq, tk, tv)` are zero (placeholders the kernel never reads).
     """
     cfg = st.config
     batch, heads, d, dv = q.shape[0], st.call.q_heads, q.shape[-1], v.shape[-1]
@@ -981,7 +987,7 @@ def _tangent(st: _Static, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_pa
         *[pl.BlockSpec((None,), lambda t, h, b: (h,))] * len(t_params),
     ]
     return pl.pallas_call(
-        functools.partial(_tangent_kernel, st=st, build=build),
+        functools.partial(_tangent_kernel, st=st, build=build, zero=zero),
         grid=(tiles, heads, batch),
         in_specs=in_specs,
         out_specs=rows.spec(dv, tile_of),
@@ -1212,8 +1218,9 @@ def flash_attention(
     return _flash.run_call(build, build, q, k, v, mask, score_mod)
 
 
-def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig):
-    """The `_flash.FlashKernels` of one call.
+def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionConfig,
+            zero_tangents: tuple[bool, bool, bool] = (False, False, False)):  # fmt: skip
+    """The `_flash.FlashKernels` of one call (`zero_tangents`: as `_tangent`'s `zero`).
 
     With `pack_gqa` the query heads of each KV head run as rows of one tile. The forward
     reads the caller's operands (`direct`) when the head dims need no padding and a
@@ -1272,7 +1279,9 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: TritonAttentionCo
         return _backward(st, build, qp, kp, vp, o, lse, do, ranges["dq"], ranges["dkv"], operands)
 
     def tangent(q, k, v, tq, tk, tv, fwd_ranges, operands, t_params):
-        return _tangent(st, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params)
+        return _tangent(
+            st, build, q, k, v, tq, tk, tv, fwd_ranges, operands, t_params, zero_tangents
+        )
 
     one_pass = pack == 1 and cfg.num_splits == 1
     return _flash.FlashKernels(
@@ -1336,15 +1345,25 @@ def flash_tangent(q, k, v, tq, tk, tv, *, mask, score_mod, scale: float,
     """The tangent of `flash_attention`'s output along `(tq, tk, tv)` (forward mode).
 
     One pass over the keys per query tile (`_tangent_kernel`), at the forward's memory:
-    no score matrix. `t_score_mod`: the tangent of the score mod's parameters (ALiBi's
-    slopes), shaped as `eqx.filter(score_mod, eqx.is_inexact_array)`; None: fixed.
-    `config` is the launch as `tangent_config` makes it: one split, unpacked.
+    no score matrix. A tangent given as None is zero: its products are skipped (keys
+    and values of a fixed context: 4 products a key tile instead of 6). `t_score_mod`:
+    the tangent of the score mod's parameters (ALiBi's slopes), shaped as
+    `eqx.filter(score_mod, eqx.is_inexact_array)`; None: fixed. `config` is the launch
+    as `tangent_config` makes it: one split, unpacked.
     """
     if config.num_splits != 1 or config.pack_gqa:
         raise ValueError("the tangent kernel runs one split of unpacked rows: tangent_config")
+    zero = (tq is None, tk is None, tv is None)
+    if not jax.tree.leaves(t_score_mod):  # every parameter's tangent zero
+        t_score_mod = None
+    if all(zero) and t_score_mod is None:
+        return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
+    # A zero tangent's place holds its primal, which the kernel never reads.
+    tq, tk, tv = (x if t is None else t for x, t in zip((q, k, v), (tq, tk, tv), strict=True))
 
     def build(q, k, v, mask, score_mod):
-        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config)
+        return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=config,
+                       zero_tangents=zero)  # fmt: skip
 
     return _flash.run_tangent(build, q, k, v, tq, tk, tv, mask, score_mod, t_score_mod)
 
