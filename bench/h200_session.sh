@@ -839,13 +839,14 @@ case "${1:?stage 1 to 70}" in
     # Forward mode with keys and values held fixed (a context's, as in a consistency
     # model's cross-attention): they reach the tangent kernel as symbolic zeros, which
     # skip 2 of its 6 products; beside the same `jax.jvp` along q, k and v. Then stage
-    # 72. 60 + 60 s, then 150 + 200.
+    # 72's decode timings (its ncu step is left to stage 72). 60 + 60 + 150 s.
     for moving in q qkv; do
       step 60 "tangent_$moving" python3 -m bench.sweep_attention --defaults --part tangent \
         --out "$out/sweep_tangent_$moving.json" --implementation triton --seq 4096 \
         --head-dim 64 128 --causal 0 --moving "$moving"
     done
-    bash "$0" 72
+    suite 150 decode_stack --suite decode --set batch=1 q_len=1 ragged=false layers=1,4 \
+      kv_len=131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
