@@ -35,7 +35,7 @@ def _zeros_to_none(tangents):
     return jax.tree.map(lambda t: None if is_zero(t) else t, tangents, is_leaf=is_zero)
 
 
-def _instantiate(primals, tangents):
+def instantiate_zeros(primals, tangents):
     """`tangents` (None where zero) as arrays shaped as `primals`."""
     return jax.tree.map(lambda p, t: jnp.zeros_like(p) if t is None else t, primals, tangents)
 
@@ -229,7 +229,7 @@ def kernel_then_reference(
     kernel_fn, reference_fn = closed(kernel), closed(reference)
 
     def reference_tangent(diff, fixed, t):
-        t = _instantiate(diff, t)
+        t = instantiate_zeros(diff, t)
         return jax.jvp(lambda d: reference_fn(d, fixed), (diff,), (t,))[1]
 
     @jax.custom_jvp

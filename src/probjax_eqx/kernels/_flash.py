@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from probjax_eqx._autodiff import instantiate_zeros
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _tiles
 
@@ -265,10 +266,7 @@ def run_tangent(tangent_kernels: Callable, q, k, v, tq, tk, tv, mask, score_mod,
     if floats and t_score_mod is not None:
         diff, static = eqx.partition(score_mod, eqx.is_inexact_array)
         arrays = lambda diff: canonical(eqx.combine(diff, static))[0]  # noqa: E731
-        # None where a parameter's tangent is a symbolic zero.
-        t_score_mod = jax.tree.map(
-            lambda d, t: jnp.zeros_like(d) if t is None else t, diff, t_score_mod
-        )
+        t_score_mod = instantiate_zeros(diff, t_score_mod)  # None: a symbolic zero
         t_operands = jax.jvp(arrays, (diff,), (t_score_mod,))[1]
         t_params = tuple(t_operands[n] for n in floats)
     elif floats:
