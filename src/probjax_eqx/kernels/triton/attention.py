@@ -105,40 +105,18 @@ class TritonAttentionConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for field in ("num_splits", "num_splits_dq"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-        for field in (
-            "block_q",
-            "block_k",
-            "block_q_dkv",
-            "block_k_dkv",
-            "block_q_dq",
-            "block_k_dq",
-        ):
-            value = getattr(self, field)
-            if not _pow2(value) or value < _MIN_BLOCK:
-                raise ValueError(f"{field}={value} must be a power of two >= {_MIN_BLOCK}")
-        for field in ("num_warps", "num_warps_bwd"):
-            if getattr(self, field) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{field}={getattr(self, field)} must be 1, 2, 4, 8 or 16")
-        if self.tangent_tiles is not None:
-            # A tuple (hashable: configs are static arguments), from JSON's lists too.
+        if self.tangent_tiles is not None:  # a tuple (configs are hashed), from JSON lists too
             object.__setattr__(self, "tangent_tiles", tuple(self.tangent_tiles))
-            bq, bk, warps, stages = self.tangent_tiles
-            if not all(_pow2(b) and b >= _MIN_BLOCK for b in (bq, bk)):
-                raise ValueError(
-                    f"tangent_tiles={self.tangent_tiles}: its tiles must be powers of two "
-                    f">= {_MIN_BLOCK}"
-                )
-            if warps not in (1, 2, 4, 8, 16) or stages < 1:
-                raise ValueError(
-                    f"tangent_tiles={self.tangent_tiles}: warps must be 1, 2, 4, 8 or 16 "
-                    "and stages >= 1"
-                )
-        for field in ("num_stages", "num_stages_bwd"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+        tangent = zip(("block_q", "block_k", "num_warps", "num_stages"), self.tangent_tiles or ())
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values |= {f"tangent_tiles' {name}": value for name, value in tangent}
+        for field, value in values.items():
+            if "block_" in field and (not _pow2(value) or value < _MIN_BLOCK):
+                raise ValueError(f"{field}={value} must be a power of two >= {_MIN_BLOCK}")
+            if "num_warps" in field and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{field}={value} must be 1, 2, 4, 8 or 16")
+            if ("num_stages" in field or "num_splits" in field) and value < 1:
+                raise ValueError(f"{field}={value} must be >= 1")
         if self.backward_pass_impl not in ("auto", "triton_split", "triton_fused"):
             raise ValueError(
                 f"backward_pass_impl={self.backward_pass_impl!r}: expected 'auto', "
