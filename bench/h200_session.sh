@@ -5,7 +5,8 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 72 and 74, then 12's parts that runs 44-47 did not reach.
+# Not yet run: 65 on the code of b3e8e11 (run 144 was cut before it), then 12's parts
+# that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -22,7 +23,7 @@
 # vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66; runs 130-132
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
 # (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, runs 138-139 (H100) 71 and
-# 73, run 140 73's GPU tests.
+# 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
