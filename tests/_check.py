@@ -17,29 +17,31 @@ def oracle(q, k, v, mask=None, score_mod=None, scale=None):
 
 
 def check_against_oracle(
-    f, q, k, v, ct, *, mask=None, score_mod=None, tf32=False, jit=False, primal=True
+    f, q, k, v, ct, *, mask=None, score_mod=None, tf32=False, jit=True, primal=True
 ):
     """Compare `f(q, k, v)` and its VJP with cotangent `ct` to the oracle; return both.
 
     `primal=False` checks only the value `jax.vjp` returns: for our Pallas kernels that
     is the very kernel an undifferentiated call runs (`_flash.attend`), and interpreted
-    it costs as much as the backward. cuDNN's inference graph is another kernel.
+    it costs as much as the backward. cuDNN's inference graph is another kernel. `jit`:
+    as programs are run (op by op, the interpreter's surroundings each compile alone).
     """
     dtype = q.dtype
+    run = jax.jit if jit else lambda fn: fn
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     g = lambda q, k, v: oracle(q, k, v, mask, score_mod)
-    want = g(*up)
+    want = run(g)(*up)
 
     def value_and_grads(q, k, v):
         out, pullback = jax.vjp(f, q, k, v)
         return out, pullback(ct.astype(out.dtype))
 
-    outs = [(jax.jit(f) if jit else f)(q, k, v)] if primal else []
-    out, grads = (jax.jit(value_and_grads) if jit else value_and_grads)(q, k, v)
+    outs = [run(f)(q, k, v)] if primal else []
+    out, grads = run(value_and_grads)(q, k, v)
     for value in (*outs, out):
         assert value.dtype == dtype and np.all(np.isfinite(np.asarray(value, np.float32)))
         assert_close(value, want, dtype, tf32=tf32)
-    _, ref_grads = loss_and_grads(g, *up, ct)
+    ref_grads = run(lambda *up: loss_and_grads(g, *up, ct)[1])(*up)
     for name, a, b in zip("qkv", grads, ref_grads):
         assert a.dtype == dtype
         assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{name} not finite"

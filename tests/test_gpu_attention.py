@@ -39,7 +39,7 @@ def test_cudnn_matches_oracle(getkey, name, dtype):
         getkey(), batch=2, q_len=lq, kv_len=lkv, q_heads=8, kv_heads=2, qk_dim=64, dtype=dtype
     )
     ct = jax.random.normal(getkey(), (2, lq, 8, 64))
-    check_against_oracle(pinned("cudnn", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("cudnn", mask), q, k, v, ct, mask=mask)
 
 
 @pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["none", "causal"])
@@ -52,7 +52,7 @@ def test_cudnn_head_dim_256_on_hopper(getkey, mask):
         dtype=jnp.bfloat16,
     )  # fmt: skip
     ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(pinned("cudnn", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("cudnn", mask), q, k, v, ct, mask=mask)
 
 
 def test_auto_picks_cudnn_on_sm90():
@@ -88,9 +88,7 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     assert choice.config.fused_dq == fused_dq
     assert choice.config.block_k_dkv == (128 if fused_dq else 64)  # run 116
     ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(
-        lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None, jit=True
-    )
+    check_against_oracle(lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None)
 
 
 @pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["none", "causal"])
@@ -111,7 +109,7 @@ def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
         lambda q, k, v: dot_product_attention(
             q, k, v, mask=mask, implementation="mosaic", config=config
         ),
-        q, k, v, ct, mask=mask, jit=True,
+        q, k, v, ct, mask=mask,
     )  # fmt: skip
 
 
@@ -146,7 +144,7 @@ def test_triton_matches_oracle_on_gpu(getkey, name, head_dim):
         dtype=jnp.bfloat16,
     )
     ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask)
 
 
 @pytest.mark.parametrize("q_len, q_heads", [(1, 8), (3, 8), (16, 8), (1, 2)])
@@ -160,7 +158,7 @@ def test_split_kv_decode_on_gpu(getkey, q_len, q_heads):
     assert choice.config.num_splits > 1 and choice.config.pack_gqa == (q_heads > 2)
     assert choice.config.num_splits_dq > 1
     ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +178,7 @@ def test_triton_large_head_dims_and_fp32(getkey, dtype, head_dim, q_len):
     )
     ct = jax.random.normal(getkey(), q.shape)
     mask = masks.Causal("bottom_right")
-    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, tf32=True, jit=True)
+    check_against_oracle(pinned("triton", mask), q, k, v, ct, mask=mask, tf32=True)
 
 
 def test_triton_agrees_with_cudnn(getkey):
@@ -261,7 +259,7 @@ def test_triton_fused_backward_over_one_key_tile_on_gpu(getkey, kv_len, block_k_
     f = lambda q, k, v: dot_product_attention(
         q, k, v, mask=mask, implementation="triton", config=config
     )
-    _, grads = check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    _, grads = check_against_oracle(f, q, k, v, ct, mask=mask)
     assert not np.any(np.asarray(grads[0][1], np.float32))
 
 
@@ -285,7 +283,7 @@ def test_triton_fused_backward_and_alibi_on_gpu(getkey):
     f = lambda q, k, v: dot_product_attention(
         q, k, v, mask=mask, implementation="triton", config=fused
     )
-    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=mask)
     slopes = jnp.asarray(biases.alibi_slopes(8))
 
     def loss(attend, slopes):
@@ -334,7 +332,7 @@ def test_mosaic_matches_oracle_on_gpu(getkey, name, head_dim):
         dtype=jnp.bfloat16,
     )
     ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask)
 
 
 GPU_OPERANDS = dict(p_in_registers=True, transposed_views=True)  # FA3's, the GPU's default
@@ -385,7 +383,7 @@ def test_mosaic_schedules_and_two_warpgroup_backward_on_gpu(getkey, name, schedu
     f = lambda q, k, v: dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, implementation="mosaic", config=config
     )
-    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2])
@@ -411,7 +409,7 @@ def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
         )[0]
         return jax.vmap(one)(q, k, v)
 
-    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
 @pytest.mark.parametrize("schedule", ["default", "fa3_operands", "fa3", "fa3_approx_math"])
@@ -428,7 +426,7 @@ def test_mosaic_softcap_on_gpu(getkey, schedule):
     f = lambda q, k, v: flex_attention(  # noqa: E731
         q, k, v, mask=mask, score_mod=mod, implementation="mosaic", config=config
     )
-    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod, jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=mask, score_mod=mod)
 
 
 def test_mosaic_fp16_unaligned_head_dim(getkey):
@@ -438,7 +436,7 @@ def test_mosaic_fp16_unaligned_head_dim(getkey):
     )  # fmt: skip
     ct = jax.random.normal(getkey(), (1, 300, 4, 48))
     mask = masks.Causal()
-    check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(pinned("mosaic", mask), q, k, v, ct, mask=mask)
 
 
 def test_cudnn_padded_backward_repeats(getkey):

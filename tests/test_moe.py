@@ -83,10 +83,12 @@ def test_grouped_matmul_under_vmap(getkey, impl, rhs_batched):
         want = dense_grouped_matmul(lhs[i], rhs_of(i), sizes[i])
         assert_close(out[i], want, jnp.float32, err_msg=f"out[{i}]")
     loss = lambda a, b, g, c: jnp.sum(f(a, b, g) * c)  # noqa: E731
-    per_example = jax.vmap(jax.grad(loss, (0, 1)), (0, rhs_axis, 0, 0))(lhs, rhs, sizes, ct)
-    summed = jax.grad(
+    per_example = jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, rhs_axis, 0, 0)))(
+        lhs, rhs, sizes, ct
+    )
+    summed = jax.jit(jax.grad(
         lambda a, b: jnp.sum(jax.vmap(f, (0, rhs_axis, 0))(a, b, sizes) * ct), (0, 1)
-    )(lhs, rhs)
+    ))(lhs, rhs)  # fmt: skip
     ref = lambda a, b, g, c: jnp.sum(jax.lax.ragged_dot(a, b, g, precision="highest") * c)  # noqa: E731
     one_by_one = [jax.grad(ref, (0, 1))(lhs[i], rhs_of(i), sizes[i], ct[i]) for i in range(2)]
     want_dlhs = jnp.stack([g[0] for g in one_by_one])
@@ -116,17 +118,17 @@ def test_xla_grouped_matmul_second_derivatives(getkey):
 
     ours = grad_norm(lambda a, b: grouped_matmul(a, b, sizes, implementation="xla"))
     got = jax.jit(jax.grad(ours, (0, 1)))(lhs, rhs)
-    want = jax.grad(grad_norm(dense), (0, 1))(lhs, rhs)
+    want = jax.jit(jax.grad(grad_norm(dense), (0, 1)))(lhs, rhs)
     for a, b in zip(got, want):
         assert_close(a / jnp.abs(b).max(), b / jnp.abs(b).max(), jnp.float32, grad=True)
-    batched = jax.vmap(jax.grad(ours, (0, 1)), (0, None))(jnp.stack([lhs, lhs]), rhs)
+    batched = jax.jit(jax.vmap(jax.grad(ours, (0, 1)), (0, None)))(jnp.stack([lhs, lhs]), rhs)
     assert_close(batched[0][1], got[0], jnp.float32, grad=True)
     assert_close(batched[1][0], got[1], jnp.float32, grad=True)
     # Forward mode, and forward over reverse (a Hessian-vector product).
     tangents = (jax.random.normal(getkey(), lhs.shape), jax.random.normal(getkey(), rhs.shape))
     gmm = lambda a, b: grouped_matmul(a, b, sizes, implementation="xla")  # noqa: E731
     for f, g in ((gmm, dense), (ours, grad_norm(dense))):
-        got_t, want_t = (jax.jvp(fn, (lhs, rhs), tangents)[1] for fn in (jax.jit(f), g))
+        got_t, want_t = (jax.jvp(jax.jit(fn), (lhs, rhs), tangents)[1] for fn in (f, g))
         top = jnp.abs(want_t).max()
         assert_close(got_t / top, want_t / top, jnp.float32, grad=True)
 
@@ -144,7 +146,7 @@ def test_moe_forward_mode_against_finite_differences(getkey):
         p, x = jax.tree.map(jnp.asarray, (p, x))
         return eqx.combine(p, static)(x)[0]
 
-    check_grads(out, (params, x), order=1, modes=["fwd"], atol=1e-2, rtol=1e-2)
+    check_grads(jax.jit(out), (params, x), order=1, modes=["fwd"], atol=1e-2, rtol=1e-2)
     top_k = lambda s: moe_module.top_k_by_passes(jnp.asarray(s), 2)[0]  # noqa: E731
     check_grads(top_k, (x,), order=2, modes=["fwd"])
     h13 = jax.random.normal(getkey(), (5, 9))
@@ -224,12 +226,12 @@ def test_row_moves_have_derivatives_of_every_order(getkey):
     want = jnp.zeros((tokens, d)).at[rows[:-1]].add(ys[:-1] * scale[:-1, None])
     np.testing.assert_allclose(combine_rows(ys, slots, rows, scale), want, rtol=1e-6)
     modes = ["fwd", "rev"]  # and each over the other
-    check_grads(lambda x: copy_to_rows(x, rows, slots), (x,), order=2, modes=modes)
-    check_grads(lambda ys, s: combine_rows(ys, slots, rows, s), (ys, scale), order=2,
+    check_grads(jax.jit(lambda x: copy_to_rows(x, rows, slots)), (x,), order=2, modes=modes)
+    check_grads(jax.jit(lambda ys, s: combine_rows(ys, slots, rows, s)), (ys, scale), order=2,
                 modes=modes)  # fmt: skip
     index = jnp.concatenate([order, jnp.array([tokens * k])])  # the last row reads zeros
-    check_grads(lambda y: permute_rows(y, index, inverse_permutation(order)), (ys[:-1],),
-                order=2, modes=modes)  # fmt: skip
+    check_grads(jax.jit(lambda y: permute_rows(y, index, inverse_permutation(order))),
+                (ys[:-1],), order=2, modes=modes)  # fmt: skip
 
 
 def test_grouped_matmul_refusals_and_choice(getkey):
@@ -271,12 +273,12 @@ def test_mosaic_grouped_matmul_fwd_and_grads(getkey, dtype, k, n, config):
     rhs = (jax.random.normal(getkey(), (3, k, n)) / k**0.5).astype(dtype)
     ct = jax.random.normal(getkey(), (m, n)) / 8**0.5
     f = lambda a, b: grouped_matmul(a, b, sizes, implementation="mosaic", config=config)
-    out = f(lhs, rhs)
+    out = jax.jit(f)(lhs, rhs)  # jitted: the interpreter op by op is slow
     assert_close(out, dense_grouped_matmul(lhs, rhs, sizes), dtype, err_msg="out")
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
     ref = lambda a, b: jax.lax.ragged_dot(a, b, sizes, precision="highest")  # noqa: E731
-    got = jax.grad(loss(f), (0, 1))(lhs, rhs)
+    got = jax.jit(jax.grad(loss(f), (0, 1)))(lhs, rhs)
     want = jax.grad(loss(ref), (0, 1))(up(lhs), up(rhs))
     for name, a, b in zip(("dlhs", "drhs"), got, want):
         assert_close(a, b, dtype, grad=True, err_msg=name)
@@ -446,18 +448,19 @@ def test_moe_matches_dense_oracle(getkey, dispatch, kwargs):
     moe = make_moe(getkey(), dispatch, **kwargs)
     x = jax.random.normal(getkey(), (19, 16))
     ct = jax.random.normal(getkey(), (19, 16))
-    y, aux = moe(x)
+    y, aux = eqx.filter_jit(moe)(x)  # jitted: op by op, a MoE call takes seconds on CPUs
     assert_close(y, dense_moe(moe, x), jnp.float32, err_msg="y")
     assert int(aux.tokens_per_expert.sum()) == 19 * moe.top_k
 
     def loss(f):
         return lambda m, x: jnp.sum(f(m, x) * ct)
 
-    got = eqx.filter_grad(loss(lambda m, x: m(x)[0]))(moe, x)
+    grads = eqx.filter_jit(eqx.filter_grad(loss(lambda m, x: m(x)[0])))
+    got = grads(moe, x)
     want = eqx.filter_grad(loss(dense_moe))(moe, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(a, b, jnp.float32, grad=True)
-    gx = jax.grad(loss(lambda m, x: m(x)[0]), argnums=1)(moe, x)
+    gx = jax.jit(jax.grad(loss(lambda m, x: m(x)[0]), argnums=1))(moe, x)
     assert_close(gx, jax.grad(loss(dense_moe), argnums=1)(moe, x), jnp.float32, grad=True)
 
 
@@ -509,7 +512,7 @@ def test_vmap_over_moe_equals_calls_one_by_one(getkey, dispatch):
     def loss(m, x):
         return jnp.sum(jax.vmap(lambda row: m(row)[0])(x) * ct)
 
-    got = eqx.filter_grad(loss)(moe, x)
+    got = eqx.filter_jit(eqx.filter_grad(loss))(moe, x)
     one = eqx.filter_jit(eqx.filter_grad(lambda m, x, c: jnp.sum(m(x)[0] * c)))
     one_by_one = [one(moe, x[i], ct[i]) for i in range(3)]
     want = jax.tree.map(lambda *g: sum(g), *one_by_one)
@@ -522,9 +525,9 @@ def test_moe_mosaic_dispatch_matches_dense_oracle(getkey):
     moe = make_moe(getkey(), "mosaic", top_k=2, compute_dtype="bfloat16")
     x = jax.random.normal(getkey(), (19, 16))
     ct = jax.random.normal(getkey(), (19, 16))
-    assert_close(moe(x)[0], dense_moe(moe, x), jnp.bfloat16, err_msg="y")
+    assert_close(eqx.filter_jit(moe)(x)[0], dense_moe(moe, x), jnp.bfloat16, err_msg="y")
     loss = lambda f: lambda m, x: jnp.sum(f(m, x) * ct)  # noqa: E731
-    grads = eqx.filter_grad(loss(lambda m, x: m(x)[0]))(moe, x)
+    grads = eqx.filter_jit(eqx.filter_grad(loss(lambda m, x: m(x)[0])))(moe, x)
     want_grads = eqx.filter_grad(loss(dense_moe))(moe, x)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         scale = float(jnp.max(jnp.abs(b)))  # parameter gradients sum over tokens

@@ -35,14 +35,14 @@ def test_ring_attention_matches_one_device(getkey, layout, causal):
     q, k, v, ct = _qkv(getkey, 2, 40, 4, 2, 16, jnp.float32)  # GQA, 10 positions a device
     mask = masks.Causal() if causal else None
     f = ring(mesh, layout, causal, implementation="xla")
-    check_against_oracle(f, q, k, v, ct, mask=mask, jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
 def test_ring_attention_batch_and_context_axes(getkey):
     mesh = mesh_of(data=2, context=4)
     q, k, v, ct = _qkv(getkey, 2, 32, 2, 2, 8, jnp.float32)
     f = ring(mesh, "zigzag", True, batch_axis="data", implementation="xla")
-    check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=masks.Causal())
 
 
 # The Mosaic GPU interpreter keeps global per-device state that two devices of one
@@ -68,7 +68,7 @@ def test_ring_attention_on_our_kernels(getkey, impl, config, dtype, devices):
     mesh = mesh_of(context=devices)
     q, k, v, ct = _qkv(getkey, 1, 48, 2, 1, 16, dtype)
     f = ring(mesh, "zigzag", True, implementation=impl, config=config)
-    check_against_oracle(f, q, k, v, ct, mask=masks.Causal(), jit=True)
+    check_against_oracle(f, q, k, v, ct, mask=masks.Causal())
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -42,8 +42,9 @@ def test_mab_cross_attention_vmap_and_grad(getkey):
     mab = MAB(8, 2, y_dim=12, key=getkey())
     x, y = jax.random.normal(getkey(), (4, 5, 8)), jax.random.normal(getkey(), (4, 9, 12))
     sizes = jnp.array([9, 3, 1, 6])
-    out = jax.vmap(lambda x, y, n: mab(x, y, y_size=n))(x, y, sizes)
+    out = jax.jit(jax.vmap(lambda x, y, n: mab(x, y, y_size=n)))(x, y, sizes)
     assert out.shape == (4, 5, 8)
     np.testing.assert_allclose(out[1], mab(x[1], y[1, :3]), atol=1e-5)
-    grads = jax.grad(lambda m: jnp.sum(jax.vmap(lambda a, b: m(a, b))(x, y) ** 2))(mab)
+    loss = lambda m: jnp.sum(jax.vmap(lambda a, b: m(a, b))(x, y) ** 2)  # noqa: E731
+    grads = jax.jit(jax.grad(loss))(mab)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
