@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 65 on the code of b3e8e11 (run 144 was cut before it), then 12's parts
+# Not yet run: 75; 65 on the code of b3e8e11 (run 144 was cut before it); 12's parts
 # that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
@@ -76,7 +76,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 70}" in
+case "${1:?stage 1 to 75}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -848,6 +848,15 @@ case "${1:?stage 1 to 70}" in
     done
     suite 150 decode_stack --suite decode --set batch=1 q_len=1 ragged=false layers=1,4 \
       kv_len=131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  75)
+    # Decoding one query where torch's cuDNN led per call in run 134 (batch 1 and 8 over
+    # 8k and 32k keys, by 1.5-15%; jax.nn's call of cuDNN's kernel trailed it alike): per
+    # call alone and per layer in a stack of 16, where a model's one program shares
+    # JAX's per-program cost (at 131k keys a stack of 4 closed the gap, runs 141-142).
+    # 48 rows: 150 s.
+    suite 150 decode_stack --suite decode --set batch=1,8 q_len=1 ragged=false \
+      layers=1,16 kv_len=8192,32768 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
