@@ -137,12 +137,12 @@ def test_expert_parallel_matches_one_device(getkey, monkeypatch, exchange, axes)
     def sharded(moe, x):
         return expert_parallel_moe(moe, x, mesh=mesh, exchange=exchange)
 
-    (y, aux), (y1, aux1) = eqx.filter_jit(sharded)(moe, x), moe(x)
+    (y, aux), (y1, aux1) = eqx.filter_jit(sharded)(moe, x), eqx.filter_jit(moe)(x)
     assert_close(y, y1, jnp.float32)
     for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux1)):
         assert_close(a, b, jnp.float32)
     got = eqx.filter_jit(eqx.filter_grad(loss(sharded)))(moe, x)
-    want = eqx.filter_grad(loss(lambda m, x: m(x)))(moe, x)
+    want = eqx.filter_jit(eqx.filter_grad(loss(lambda m, x: m(x))))(moe, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(a, b, jnp.float32, grad=True)
     if exchange == "gather":  # rows move by gathers both ways (the emulated a2a scatters)
@@ -165,9 +165,10 @@ def test_expert_parallel_skewed_routing_is_dropless(getkey):
     moe = _moe(getkey)
     moe = eqx.tree_at(lambda m: m.router, moe, moe.router.at[:, :3].add(100.0))
     x = jnp.abs(jax.random.normal(getkey(), (32, 16))) + 0.1  # logits of experts 0-2 >> rest
-    y, aux = expert_parallel_moe(moe, x, mesh=mesh_of(expert=4), exchange="gather")
+    run = eqx.filter_jit(expert_parallel_moe)
+    y, aux = run(moe, x, mesh=mesh_of(expert=4), exchange="gather")
     assert int(aux.tokens_per_expert[:3].sum()) == 32 * 3
-    assert_close(y, moe(x)[0], jnp.float32)
+    assert_close(y, eqx.filter_jit(moe)(x)[0], jnp.float32)
 
 
 def test_expert_parallel_runs_auto_dispatch_that_resolved_to_fused(getkey, monkeypatch):
@@ -178,7 +179,7 @@ def test_expert_parallel_runs_auto_dispatch_that_resolved_to_fused(getkey, monke
     assert moe.dispatch_mode == "fused_gsum" and moe.dispatch_request == "auto"
     x = jax.random.normal(getkey(), (32, 16))
     y, _ = eqx.filter_jit(expert_parallel_moe)(moe, x, mesh=mesh_of(expert=2), exchange="gather")
-    assert_close(y, moe(x)[0], jnp.float32)
+    assert_close(y, eqx.filter_jit(moe)(x)[0], jnp.float32)
 
 
 def test_expert_parallel_refusals(getkey):
