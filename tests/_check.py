@@ -16,32 +16,30 @@ def oracle(q, k, v, mask=None, score_mod=None, scale=None):
     return reference.attention(q, k, v, mask=mask, score_mod=score_mod, scale=float(scale))
 
 
-def check_against_oracle(
-    f, q, k, v, ct, *, mask=None, score_mod=None, tf32=False, jit=True, primal=True
-):
+def check_against_oracle(f, q, k, v, ct, *, mask=None, score_mod=None, tf32=False, primal=True):
     """Compare `f(q, k, v)` and its VJP with cotangent `ct` to the oracle; return both.
 
     `primal=False` checks only the value `jax.vjp` returns: for our Pallas kernels that
     is the very kernel an undifferentiated call runs (`_flash.attend`), and interpreted
-    it costs as much as the backward. cuDNN's inference graph is another kernel. `jit`:
-    as programs are run (op by op, the interpreter's surroundings each compile alone).
+    it costs as much as the backward. cuDNN's inference graph is another kernel. Every
+    call is jitted, as programs run (op by op, the interpreter's surroundings would each
+    compile alone).
     """
     dtype = q.dtype
-    run = jax.jit if jit else lambda fn: fn
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     g = lambda q, k, v: oracle(q, k, v, mask, score_mod)
-    want = run(g)(*up)
+    want = jax.jit(g)(*up)
 
     def value_and_grads(q, k, v):
         out, pullback = jax.vjp(f, q, k, v)
         return out, pullback(ct.astype(out.dtype))
 
-    outs = [run(f)(q, k, v)] if primal else []
-    out, grads = run(value_and_grads)(q, k, v)
+    outs = [jax.jit(f)(q, k, v)] if primal else []
+    out, grads = jax.jit(value_and_grads)(q, k, v)
     for value in (*outs, out):
         assert value.dtype == dtype and np.all(np.isfinite(np.asarray(value, np.float32)))
         assert_close(value, want, dtype, tf32=tf32)
-    ref_grads = run(lambda *up: loss_and_grads(g, *up, ct)[1])(*up)
+    ref_grads = jax.jit(lambda *up: loss_and_grads(g, *up, ct)[1])(*up)
     for name, a, b in zip("qkv", grads, ref_grads):
         assert a.dtype == dtype
         assert np.all(np.isfinite(np.asarray(a, np.float32))), f"d{name} not finite"

@@ -50,8 +50,8 @@ def test_scan_and_associative_blocks_agree_in_value_and_gradient(getkey):
     ct = jax.random.normal(getkey(), (29, 16))
     assert_close(assoc(x), scan(x), jnp.float32)
     loss = lambda m, x: jnp.sum(m(x) * ct)  # noqa: E731
-    g_scan = eqx.filter_jit(eqx.filter_grad(loss))(scan, x)
-    g_assoc = eqx.filter_jit(eqx.filter_grad(loss))(assoc, x)
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    g_scan, g_assoc = grad(scan, x), grad(assoc, x)
     for a, b in zip(jax.tree.leaves(g_assoc), jax.tree.leaves(g_scan)):
         assert_close(a, b, jnp.float32, grad=True)
 
@@ -124,10 +124,8 @@ def test_mamba2_chunked_equals_scan_and_decode(getkey):
     full = scan(x)
     assert_close(chunked(x), full, jnp.float32)
     loss = lambda m, x: jnp.sum(m(x) * ct)  # noqa: E731
-    g1, g2 = (
-        eqx.filter_jit(eqx.filter_grad(loss))(scan, x),
-        eqx.filter_jit(eqx.filter_grad(loss))(chunked, x),
-    )
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    g1, g2 = grad(scan, x), grad(chunked, x)
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
         assert_close(a, b, jnp.float32, grad=True)
     cache, step = chunked.init_cache(), eqx.filter_jit(chunked.decode_step)

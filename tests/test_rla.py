@@ -36,10 +36,8 @@ def test_scan_and_chunked_blocks_agree_with_gradients(getkey):
     ct = jax.random.normal(getkey(), (19, 16))
     assert_close(chunked(x), scan(x), jnp.float32)
     loss = lambda m, x: jnp.sum(m(x) * ct)  # noqa: E731
-    g1, g2 = (
-        eqx.filter_jit(eqx.filter_grad(loss))(scan, x),
-        eqx.filter_jit(eqx.filter_grad(loss))(chunked, x),
-    )
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    g1, g2 = grad(scan, x), grad(chunked, x)
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
         assert_close(a, b, jnp.float32, grad=True)
 
