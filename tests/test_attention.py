@@ -181,6 +181,34 @@ def test_bad_shapes_name_the_dimension(shapes, match):
     assert info.type.__name__ in ("ValueError", "TypeCheckError")
 
 
+@pytest.mark.parametrize(
+    "mask, score_mod, match",
+    [
+        # batch 3, 7 queries, 4 heads, 9 keys: per-batch arrays of 2 or 4 would be clamped
+        (masks.KVLengths(jnp.array([3, 4])), None, r"KVLengths.lengths has shape \(2,\)"),
+        (masks.QLengths(jnp.arange(4)), None, r"QLengths.lengths .* \(batch=3\)"),
+        (masks.KVLengths(jnp.ones((3, 1), jnp.int32)), None, r"shape \(3, 1\)"),
+        (masks.Causal() & masks.PrefixLM(jnp.array([1, 2])), None, "PrefixLM.prefix_length"),
+        (masks.Segments(jnp.zeros((3, 8), jnp.int32), jnp.zeros((3, 9), jnp.int32)), None,
+         r"Segments.q_segment_ids .* \(batch=3, q_len=7\)"),
+        (masks.DenseMask(jnp.ones((1, 2, 7, 9), bool)), None, r"DenseMask.mask .*heads=4"),
+        (None, biases.ALiBi(jnp.ones(2)), r"ALiBi.slopes .* \(heads=4\)"),
+        (None, biases.Compose((biases.SoftCap(5.0), biases.HeadScale(jnp.ones(8)))),
+         "HeadScale.scales"),
+        (None, biases.DenseBias(jnp.zeros((3, 4, 7, 10))), r"DenseBias.values .*kv_len=9"),
+    ],
+)  # fmt: skip
+def test_mask_and_score_mod_arrays_must_fit_the_call(mask, score_mod, match):
+    q, k = jnp.zeros((3, 7, 4, 16)), jnp.zeros((3, 9, 2, 16))
+    with pytest.raises(ValueError, match=match):
+        flex_attention(q, k, k, mask=mask, score_mod=score_mod)
+    # Every size 1 (or the axis left out) broadcasts.
+    segments = masks.Segments(jnp.zeros((1, 7), jnp.int32), jnp.zeros((1, 9), jnp.int32))
+    ones = masks.KVLengths(jnp.array([5])) & segments
+    out = flex_attention(q, k, k, mask=ones, score_mod=biases.ALiBi(jnp.ones(4)))
+    assert out.shape == q.shape
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])
 def test_scale_must_be_positive(scale):
     q = jnp.zeros((1, 4, 2, 8))

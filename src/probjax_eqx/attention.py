@@ -40,7 +40,7 @@ from probjax_eqx.kernels.cudnn.attention import CudnnAttention
 from probjax_eqx.kernels.mosaic.attention import MosaicAttention
 from probjax_eqx.kernels.reference.attention import XlaAttention, XlaAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttention
-from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn
+from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn, check_arrays
 
 _IMPLEMENTATIONS = {
     "xla": XlaAttention(),
@@ -224,6 +224,8 @@ def _describe(q, k, v, mask, score_mod) -> AttentionCall:
         raise ValueError(
             f"dimension q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}"
         )
+    batch, q_len, heads, _ = q.shape
+    check_arrays((mask, score_mod), batch=batch, heads=heads, q_len=q_len, kv_len=k.shape[1])
     return AttentionCall.from_args(q.shape, k.shape, v.shape, q.dtype, mask, score_mod)
 
 

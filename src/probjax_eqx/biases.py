@@ -9,15 +9,20 @@ the reference and per tile inside kernels.
 
 import abc
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
+from .masks import ArrayAxes
+
 
 class AbstractScoreMod(eqx.Module):
     """Base of all score modifications."""
+
+    array_axes: ClassVar[ArrayAxes] = {}  # as masks': `masks.check_arrays`
 
     @abc.abstractmethod
     def __call__(self, score: Array, b: Array, h: Array, q: Array, kv: Array) -> Array:
@@ -87,6 +92,7 @@ class ALiBi(AbstractBias):
     """
 
     slopes: Float[Array, " heads"]
+    array_axes: ClassVar[ArrayAxes] = {"slopes": ("heads",)}
 
     def __init__(self, slopes: Float[ArrayLike, " heads"]):
         self.slopes = jnp.asarray(slopes, jnp.float32)
@@ -128,6 +134,7 @@ class RelativePosition(AbstractBias):
     """T5-style bucketed relative-position bias: `table[h, bucket(kv - q)]`."""
 
     table: Float[Array, "heads num_buckets"]
+    array_axes: ClassVar[ArrayAxes] = {"table": ("heads", None)}
     bidirectional: bool = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
 
@@ -159,6 +166,7 @@ class DenseBias(AbstractBias):
     """An explicit bias broadcastable to `[batch, heads, q_seq, kv_seq]`."""
 
     values: Float[Array, "_b _h q_seq kv_seq"]
+    array_axes: ClassVar[ArrayAxes] = {"values": ("batch", "heads", "q_len", "kv_len")}
 
     def __init__(self, values: Float[ArrayLike, "_b _h q_seq kv_seq"]):
         self.values = jnp.asarray(values)
@@ -191,6 +199,7 @@ class HeadScale(AbstractScoreMod):
     """Per-head multiplicative scale of the score."""
 
     scales: Float[Array, " heads"]
+    array_axes: ClassVar[ArrayAxes] = {"scales": ("heads",)}
 
     def __init__(self, scales: Float[ArrayLike, " heads"]):
         self.scales = jnp.asarray(scales, jnp.float32)

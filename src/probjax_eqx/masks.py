@@ -19,7 +19,7 @@ of size `batch` or 1, or none at all (broadcast).
 
 import abc
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -57,8 +57,46 @@ def _per_batch_row(values: Array, b: Array, pos: Array) -> Array:
     return values[jnp.minimum(b, values.shape[0] - 1), pos]
 
 
+# An array field's axes, outermost first, by the call size each must equal or be 1 for
+# (broadcast); None: any size. Leading axes may be left out.
+ArrayAxes = dict[str, tuple[Literal["batch", "heads", "q_len", "kv_len"] | None, ...]]
+
+
+def check_arrays(tree, *, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    """Raise `ValueError` where an array of a mask or score mod does not fit the call.
+
+    Each array's axes (`array_axes`) must be 1 or the call's size: indexed by batch, head
+    or position, a longer or shorter one would be clamped and read another's entry.
+    """
+    sizes = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
+
+    def visit(node):
+        if isinstance(node, (tuple, list)):
+            for item in node:
+                visit(item)
+        if not isinstance(node, eqx.Module):
+            return
+        for field, axes in getattr(type(node), "array_axes", {}).items():
+            shape = jnp.shape(getattr(node, field))
+            named = axes[len(axes) - len(shape) :]
+            if len(shape) > len(axes) or any(
+                name is not None and n not in (1, sizes[name]) for name, n in zip(named, shape)
+            ):
+                call = ", ".join(f"{name}={sizes[name]}" for name in axes if name is not None)
+                raise ValueError(
+                    f"{type(node).__name__}.{field} has shape {shape}, axes {axes} (leading ones "
+                    f"may be left out): each must be 1 or the call's size ({call})"
+                )
+        for f in dataclasses.fields(node):
+            visit(getattr(node, f.name))
+
+    visit(tree)
+
+
 class AbstractMask(eqx.Module):
     """Base of all masks. Combine masks with `&`, `|` and `~`."""
+
+    array_axes: ClassVar[ArrayAxes] = {}
 
     @abc.abstractmethod
     def predicate(self, ctx: MaskContext, b: Array, h: Array, q: Array, kv: Array) -> Array:
@@ -226,6 +264,7 @@ class PrefixLM(AbstractMask):
     """Bidirectional over the first `prefix_length` keys, causal after (top-left)."""
 
     prefix_length: Int[Array, "*batch"]
+    array_axes: ClassVar[ArrayAxes] = {"prefix_length": ("batch",)}
 
     def __init__(self, prefix_length: int | Int[ArrayLike, "*batch"]):
         self.prefix_length = jnp.asarray(prefix_length, jnp.int32)
@@ -298,6 +337,7 @@ class KVLengths(AbstractMask):
     """Batch element `b` has `lengths[b]` valid keys (padding at the end)."""
 
     lengths: Int[Array, "*batch"]
+    array_axes: ClassVar[ArrayAxes] = {"lengths": ("batch",)}
 
     def __init__(self, lengths: int | Int[ArrayLike, "*batch"]):
         self.lengths = jnp.asarray(lengths, jnp.int32)
@@ -326,6 +366,7 @@ class QLengths(AbstractMask):
     """Batch element `b` has `lengths[b]` valid queries; later rows attend to nothing."""
 
     lengths: Int[Array, "*batch"]
+    array_axes: ClassVar[ArrayAxes] = {"lengths": ("batch",)}
 
     def __init__(self, lengths: int | Int[ArrayLike, "*batch"]):
         self.lengths = jnp.asarray(lengths, jnp.int32)
@@ -360,6 +401,10 @@ class Segments(AbstractMask):
     q_segment_ids: Int[Array, "*batch q_seq"]
     kv_segment_ids: Int[Array, "*batch kv_seq"]
     sorted: bool = eqx.field(static=True)
+    array_axes: ClassVar[ArrayAxes] = {
+        "q_segment_ids": ("batch", "q_len"),
+        "kv_segment_ids": ("batch", "kv_len"),
+    }
 
     def __init__(
         self,
@@ -424,6 +469,7 @@ class DenseMask(AbstractMask):
     """An explicit boolean mask broadcastable to `[batch, heads, q_seq, kv_seq]`."""
 
     mask: Bool[Array, "_b _h q_seq kv_seq"]
+    array_axes: ClassVar[ArrayAxes] = {"mask": ("batch", "heads", "q_len", "kv_len")}
 
     def __init__(self, mask: Bool[ArrayLike, "_b _h q_seq kv_seq"]):
         self.mask = jnp.asarray(mask, bool)
