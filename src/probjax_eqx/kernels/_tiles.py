@@ -42,13 +42,12 @@ _COMBINATORS = {
     biases.Compose: (("mods",), True),
     biases.BiasSum: (("terms",), True),
 }
-# Leaves holding one per-batch or per-head array: (field, kind).
+# Leaves the kernels take that hold one per-batch or per-head array (their `array_axes`):
+# (field, kind).
 _SCALAR_LEAVES = {
-    masks.KVLengths: ("lengths", "batch"),
-    masks.QLengths: ("lengths", "batch"),
-    masks.PrefixLM: ("prefix_length", "batch"),
-    biases.ALiBi: ("slopes", "head"),
-    biases.HeadScale: ("scales", "head"),
+    cls: (field, "head" if axis == "heads" else "batch")
+    for cls in (masks.KVLengths, masks.QLengths, masks.PrefixLM, biases.ALiBi, biases.HeadScale)
+    for field, (axis,) in cls.array_axes.items()
 }
 
 
