@@ -14,7 +14,8 @@ A mask says which (query, key) pairs may attend. Every mask has
 Positions are 0-based. For `Lq != Lkv`, `alignment="top_left"` compares positions
 directly and `"bottom_right"` shifts queries by `Lkv - Lq`, so the last query sees the
 last key (the decoding convention). Per-batch arrays have a leading batch dimension
-of size `batch` or 1, or none at all (broadcast).
+of size `batch` or 1, or none at all (broadcast); a call refuses any other size
+(`check_arrays`, over each class's `array_axes`).
 """
 
 import abc
