@@ -16,10 +16,12 @@ import numpy as np
 from bench.harness import (
     GRAD_ATOL,
     attention_kernel,
+    cache_tensors,
     check_grads,
     classify,
     from_torch,
     fwd_bwd_program,
+    layer_caches,
     oracle_grads,
     record,
     rows_cotangent,
@@ -29,6 +31,7 @@ from bench.harness import (
     to_torch,
     tokamax_peer,
     torch_attention,
+    torch_copy,
     torch_operands,
 )
 from probjax_eqx import dot_product_attention, masks
@@ -141,9 +144,10 @@ def _time_jax(f, q, k, v, ct, causal, repeats, layers=1):
     fwd_bwd = fwd_bwd_program(stack(one, layers))
     check = fwd_bwd if layers == 1 else fwd_bwd_program(one)
     grads = check(q, k, v, rows_cotangent(ct, CHECK_ROWS))[1]
+    ks, vs = layer_caches(k, v, layers, jnp.copy)
     sync = jax.block_until_ready
-    fwd_ms = time_fn(lambda: fwd(q, k, v), sync, repeats=repeats) / layers
-    bwd_ms = time_fn(lambda: fwd_bwd(q, k, v, ct), sync, repeats=repeats) / layers
+    fwd_ms = time_fn(lambda: fwd(q, ks, vs), sync, repeats=repeats) / layers
+    bwd_ms = time_fn(lambda: fwd_bwd(q, ks, vs, ct), sync, repeats=repeats) / layers
     return np.asarray(out[:, :CHECK_ROWS], np.float32), fwd_ms, bwd_ms, grads
 
 
@@ -160,17 +164,18 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
 
     one = functools.partial(_call, f, causal=causal)
     stacked = stack(one, layers)
+    kts, vts = layer_caches(kt, vt, layers, torch_copy)
 
-    def fwd(call=stacked):
+    def fwd(call=stacked, kts=kts, vts=vts):
         with torch.no_grad():
-            return call(qt, kt, vt)
+            return call(qt, kts, vts)
 
     def fwd_bwd():
-        for t in (qt, kt, vt):
+        for t in cache_tensors(qt, kts, vts):
             t.grad = None
-        stacked(qt, kt, vt).backward(ctt)
+        stacked(qt, kts, vts).backward(ctt)
 
-    out = from_torch(fwd(one)[:, :, :CHECK_ROWS])
+    out = from_torch(fwd(one, kt, vt)[:, :, :CHECK_ROWS])
     one(qt, kt, vt).backward(to_torch(rows_cotangent(ct.astype(q.dtype), CHECK_ROWS)))
     grads = tuple(from_torch(t.grad) for t in (qt, kt, vt))
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers

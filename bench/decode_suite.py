@@ -23,10 +23,12 @@ import numpy as np
 from bench.harness import (
     GRAD_ATOL,
     attention_kernel,
+    cache_tensors,
     check_grads,
     classify,
     from_torch,
     fwd_bwd_program,
+    layer_caches,
     oracle_grads,
     select_grid,
     stack,
@@ -34,6 +36,7 @@ from bench.harness import (
     to_torch,
     tokamax_peer,
     torch_attention,
+    torch_copy,
 )
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
@@ -120,11 +123,12 @@ def _time_jax(f, q, k, v, ct, lengths, repeats, train, layers):
     fwd = jax.jit(stack(f, layers))
     out = np.asarray((fwd if layers == 1 else jax.jit(f))(q, k, v, lengths)[:1], np.float32)
     sync = jax.block_until_ready
-    fwd_ms = time_fn(functools.partial(fwd, q, k, v, lengths), sync, repeats=repeats) / layers
+    ks, vs = layer_caches(k, v, layers, jnp.copy)
+    fwd_ms = time_fn(functools.partial(fwd, q, ks, vs, lengths), sync, repeats=repeats) / layers
     bwd_ms = grads = None
     if train:
         grad = fwd_bwd_program(stack(f, layers))
-        call = functools.partial(grad, q, k, v, lengths, ct)
+        call = functools.partial(grad, q, ks, vs, lengths, ct)
         bwd_ms = time_fn(call, sync, repeats=repeats) / layers
         check = grad if layers == 1 else fwd_bwd_program(f)
         grads = tuple(g[:1] for g in check(q, k, v, lengths, ct)[1])
@@ -138,24 +142,25 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
 
     stacked = stack(f, layers)
+    kts, vts = layer_caches(kt, vt, layers, torch_copy)
 
-    def fwd(call=stacked):
+    def fwd(call=stacked, kts=kts, vts=vts):
         with torch.no_grad():
-            return call(qt, kt, vt, lengths)
+            return call(qt, kts, vts, lengths)
 
-    out = from_torch(fwd(f)[:1])
+    out = from_torch(fwd(f, kt, vt)[:1])
     fwd_ms = time_fn(fwd, sync, repeats=repeats) / layers
     bwd_ms = grads = None
     if train:
-        for t in (qt, kt, vt):
+        for t in cache_tensors(qt, kts, vts):
             t.requires_grad_(True)
         f(qt, kt, vt, lengths).backward(ctt)
         grads = tuple(from_torch(t.grad[:1]) for t in (qt, kt, vt))
 
         def fwd_bwd():
-            for t in (qt, kt, vt):
+            for t in cache_tensors(qt, kts, vts):
                 t.grad = None
-            stacked(qt, kt, vt, lengths).backward(ctt)
+            stacked(qt, kts, vts, lengths).backward(ctt)
 
         bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()

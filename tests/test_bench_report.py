@@ -117,6 +117,27 @@ def test_fwd_bwd_program_is_the_vjp_on_an_output_dtype_cotangent_and_stacks_chai
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_layer_caches_give_a_stack_distinct_kv_past_l2_and_the_stack_takes_them_in_turn():
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.harness import L2_BYTES, layer_caches, stack
+
+    small = jnp.zeros((L2_BYTES // 8,), jnp.uint8)  # K and V: a quarter of L2 together
+    ks, vs = layer_caches(small, small + 1, 32, jnp.copy)
+    assert len(ks) == len(vs) == 16  # 4x L2 read in all, not one copy per layer
+    assert ks[0] is small and all(x is not small for x in ks[1:])
+    assert len({x.unsafe_buffer_pointer() for x in ks}) == len(ks)  # distinct memory
+    assert len(layer_caches(small, small, 3, jnp.copy)[0]) == 3  # at most one per layer
+    large = jnp.zeros((2 * L2_BYTES,), jnp.uint8)
+    k, v = layer_caches(large, large, 16, jnp.copy)  # past L2 already: as they are
+    assert k is large and v is large
+
+    seen = []
+    stack(lambda q, k, v: seen.append((k, v)) or q + 1, 5)(0, (10, 11), (20, 21))
+    assert seen == [(10, 20), (11, 21), (10, 20), (11, 21), (10, 20)]
+    assert stack(lambda q, k, v: q + k * v, 3)(np.float32(0), 2, 3) == 18  # one K/V for all
+
+
 def test_oracle_grads_on_the_first_rows_equal_the_full_vjp_of_that_cotangent():
     import functools
 
