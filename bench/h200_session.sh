@@ -5,8 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 75; 65 on the code of b3e8e11 (run 144 was cut before it); 12's parts
-# that runs 44-47 did not reach.
+# Not yet run: 76; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -23,7 +22,8 @@
 # vmapped rows before the fold, on the code of 7dbb495); run 129 ran 66; runs 130-132
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
 # (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, runs 138-139 (H100) 71 and
-# 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23.
+# 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23; runs 145-146
+# (H100) ran 75 and 65.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -76,7 +76,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 75}" in
+case "${1:?stage 1 to 76}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -857,6 +857,18 @@ case "${1:?stage 1 to 75}" in
     # 48 rows: 150 s.
     suite 150 decode_stack --suite decode --set batch=1,8 q_len=1 ragged=false \
       layers=1,16 kv_len=8192,32768 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  76)
+    # Stage 75's stacks again, each layer now reading its own K/V where one layer's fit
+    # L2 (`layer_caches`): run 145's stack of 16 read one 34 MB cache from L2, 0.011 ms
+    # per layer to 0.036 alone. Then memory and stall counters of ours and torch's
+    # cuDNN at batch 8 MHA over 32k keys, where torch led by 1.5-3% (run 145). 40 + 200 s.
+    suite 90 decode_stack --suite decode --set batch=1 q_len=1 ragged=false layers=16 \
+      kv_len=8192,32768 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    step 200 ncu_decode_mha env NCU_LIMIT=180 \
+      NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
+      bash bench/ncu.sh "$out" decode_mha bench.attention_work triton torch-cudnn \
+      --shape 8,1,32768,32,32 --launch 1 --forward-only
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
