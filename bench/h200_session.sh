@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 76; 12's parts that runs 44-47 did not reach.
+# Not yet run: 77; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -23,7 +23,7 @@
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
 # (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, runs 138-139 (H100) 71 and
 # 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23; runs 145-146
-# (H100) ran 75 and 65.
+# (H100) ran 75 and 65, run 147 (H100) 76.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -76,7 +76,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 76}" in
+case "${1:?stage 1 to 77}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -869,6 +869,20 @@ case "${1:?stage 1 to 76}" in
       NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
       bash bench/ncu.sh "$out" decode_mha bench.attention_work triton torch-cudnn \
       --shape 8,1,32768,32,32 --launch 1 --forward-only
+    ;;
+  77)
+    # MHA decoding on the H200, where torch's cuDNN led per call by 11% at batch 1 over
+    # 32k keys and 5% at batch 8 over 131k (run 134; on the H100 1.9% and 1.1%, and
+    # ncu timed the kernels alike at batch 8 over 32k, run 147): the calls, then
+    # memory and stall counters of ours and torch's cuDNN at both shapes. 60 + 2 x 150 s.
+    suite 90 decode_mha --suite decode --set q_len=1 ragged=false heads=32:32 \
+      kv_len=32768,131072 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    for shape in 1,1,32768,32,32 8,1,131072,32,32; do
+      step 150 "ncu_decode_mha_$shape" env NCU_LIMIT=140 \
+        NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis WarpStateStats Occupancy LaunchStats" \
+        bash bench/ncu.sh "$out" "decode_mha_b${shape%%,*}" bench.attention_work triton \
+        torch-cudnn --shape "$shape" --launch 1 --forward-only
+    done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

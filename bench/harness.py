@@ -317,10 +317,12 @@ def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, list]:
-    """`["head_dim=64,128", "causal=false", "fraction=0.25"]` -> `{"head_dim": [64, 128],
-    "causal": [False], "fraction": [0.25]}`."""
+    """`["head_dim=64,128", "causal=false", "fraction=0.25", "heads=32:8"]` ->
+    `{"head_dim": [64, 128], "causal": [False], "fraction": [0.25], "heads": [(32, 8)]}`."""
 
     def value(text: str):
+        if ":" in text:  # a tuple-valued axis, as the decode suite's (q heads, KV heads)
+            return tuple(value(part) for part in text.split(":"))
         if text.lower() in ("true", "false"):
             return text.lower() == "true"
         for number in (int, float):

@@ -83,15 +83,18 @@ def test_classify_names_rejections_oom_and_errors():
     assert (status, message) == ("error", "ValueError: shapes (3,) and (4,) differ")
 
 
-def test_set_overrides_parse_ints_floats_booleans_and_names():
+def test_set_overrides_parse_ints_floats_booleans_names_and_tuples():
     from bench.harness import parse_overrides
 
-    got = parse_overrides(["head_dim=64,128", "causal=false", "fraction=0.25", "dtype=bfloat16"])
+    got = parse_overrides(
+        ["head_dim=64,128", "causal=false", "fraction=0.25", "dtype=bfloat16", "heads=32:8,4:4"]
+    )
     assert got == {
         "head_dim": [64, 128],
         "causal": [False],
         "fraction": [0.25],
         "dtype": ["bfloat16"],
+        "heads": [(32, 8), (4, 4)],
     }
 
 
