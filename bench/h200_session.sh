@@ -5,7 +5,7 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 78; 12's parts that runs 44-47 did not reach.
+# Not yet run: 79; 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -23,7 +23,8 @@
 # (outside the stages) tested and fingerprinted the custom_jvp autodiff; runs 133-136
 # (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, runs 138-139 (H100) 71 and
 # 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23; runs 145-146
-# (H100) ran 75 and 65, runs 147-148 (H100) 76 and 77.
+# (H100) ran 75 and 65, runs 147-149 (H100) 76, 77 and 78, runs 150-152 probes outside
+# the stages (command buffers off; CUPTI kernel times; sample length).
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -76,7 +77,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 78}" in
+case "${1:?stage 1 to 79}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -893,6 +894,12 @@ case "${1:?stage 1 to 78}" in
       python3 -m bench.probe_timing dispatch --out "$out/probe_decode_rounds.json" \
       --causal 0 --calls 1 --forward-only --torch-layout view --rounds 3 \
       --routes "probjax auto" "jax.nn cudnn" --shape 8,1,131072,32,32 8,1,32768,32,32
+    ;;
+  79)
+    # Decoding one query again at 100 ms samples (`time_fn`): 20 ms samples spread JAX's
+    # sync, 0.4 ms longer than torch's, as 2-3% over each call (run 152). 36 rows: 280 s.
+    suite 280 decode --suite decode --set q_len=1 ragged=false \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -74,17 +74,21 @@ def time_fn(
     warmup: int = 3,
     repeats: int = 20,
     budget_s: float = 10.0,
-    min_sample_ms: float = 20.0,
+    min_sample_ms: float = 100.0,
 ) -> float:
     """Median wall time in ms of one `fn()` after `warmup` untimed calls.
 
-    A sample is `sync` after `inner` back-to-back calls, divided by `inner`, with `inner`
-    chosen so that a sample lasts about `min_sample_ms`: launches queue asynchronously,
-    so a kernel is timed without the host's dispatch and sync gap (the same for JAX and
-    torch). With 2 ms samples a 1.3 ms call ran once a sample, and the gap added ~0.3 ms
-    to JAX's time (ncu's kernel time vs this one, decode on the H200): 20 ms samples
-    queue >= 4 calls of anything under 5 ms. Slow cases (a reference at a large size)
-    take fewer samples, at least 5, so that one case spends about `budget_s` seconds.
+    A sample is `sync` after `inner` back-to-back calls (at most 100), divided by `inner`,
+    with `inner` chosen so that a sample lasts about `min_sample_ms`: launches queue
+    asynchronously, so a kernel is timed without the host's dispatch and sync gap. That
+    gap is JAX's more than torch's: one call and its sync took 0.41 ms longer through JAX
+    than through torch at batch 8 MHA decoding over 32k keys (H100 run 152,
+    `bench/probe_sample_length.py`; the kernels took 1.37 ms alike by CUPTI, run 151),
+    which 20 ms samples (until run 152) spread as 3% over each call (ours 1.414 ms,
+    torch's cuDNN 1.378; with 200 ms samples 1.366 each). At most 100 calls a sample: a
+    deeper queue slowed JAX's calls of 0.04 ms (run 153, up to 1000: 0.055 ms, against
+    0.042 in run 154). Slow cases (a reference at a large size) take fewer samples, at
+    least 5, so that one case spends about `budget_s` seconds.
     """
     last_ms = 0.0
     for i in range(warmup):
