@@ -5,7 +5,8 @@
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`.
-# Not yet run: 79; 12's parts that runs 44-47 did not reach.
+# Not yet run: 79 on an H200 (its rows there date from 20 ms samples); 12's parts that
+# runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -24,7 +25,8 @@
 # (an H200) ran 59, 60, 11 and 15; run 137 (H100) ran 70, runs 138-139 (H100) 71 and
 # 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23; runs 145-146
 # (H100) ran 75 and 65, runs 147-149 (H100) 76, 77 and 78, runs 150-152 probes outside
-# the stages (command buffers off; CUPTI kernel times; sample length).
+# the stages (command buffers off; CUPTI kernel times; sample length); runs 153-154 (H100)
+# ran 79 (153 at up to 1000 calls a sample, not merged), run 155 attention at T 4096.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
