@@ -4,7 +4,8 @@
 # Every step has its own time limit and writes JSON under $OUT as it goes, so a cut step
 # loses only itself. At most 8 files come back from $OUT (run 17 lost two): the steps'
 # logs, the GPU tests' included, share one, $OUT/session.log.
-# Merge afterwards: `python -m bench.merge --run N F...`.
+# Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
+# 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
 # Not yet run: 79 on an H200 (its rows there date from 20 ms samples); 12's parts that
 # runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran

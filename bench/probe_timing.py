@@ -37,11 +37,14 @@ from bench.attention_suite import _jax_impls, _torch_impls
 from bench.harness import (
     RowWriter,
     attention_operands,
+    cache_tensors,
     device_info,
     fwd_bwd_program,
+    layer_caches,
     parse_shape,
     stack,
     time_fn,
+    torch_copy,
     torch_operands,
     versions,
     warm_up_device,
@@ -130,7 +133,7 @@ def _torch_time(fn):
 
 
 def _torch_fwd_bwd(f, qt, kt, vt, ctt):
-    for t in (qt, kt, vt):
+    for t in cache_tensors(qt, kt, vt):
         t.grad = None
     f(qt, kt, vt).backward(ctt)
 
@@ -168,9 +171,11 @@ def _dispatch_jax(f, q, k, v, ct, args):
         programs = {how: p for how, p in programs.items() if "chain" not in how}
     if args.forward_only:
         programs = {how: p for how, p in programs.items() if "bwd" not in how}
+    ks, vs = layer_caches(k, v, args.calls, jnp.copy)  # a chain's layers: their own K/V
     out = {}
     for how, (program, calls) in programs.items():
-        operands = (q, k, v, ct) if "bwd" in how else (q, k, v)
+        operands = (q, k, v) if calls == 1 else (q, ks, vs)
+        operands += (ct,) if "bwd" in how else ()
         out[how] = time_fn(functools.partial(program, *operands), jax.block_until_ready) / calls
     return out
 
@@ -184,15 +189,16 @@ def _dispatch_torch(f, q, k, v, ct, args):
         tag = "" if layout == "contiguous" else ", view"
         for how, calls in (("", 1), (" chain", args.calls))[: 1 + (args.calls > 1)]:
             chained = stack(f, calls)
+            kts, vts = layer_caches(kt, vt, calls, torch_copy)
 
-            def fwd(chained=chained, qt=qt, kt=kt, vt=vt):
+            def fwd(chained=chained, qt=qt, kts=kts, vts=vts):
                 with torch.no_grad():
-                    return chained(qt, kt, vt)
+                    return chained(qt, kts, vts)
 
             out["fwd" + how + tag] = _torch_time(fwd) / calls
             if not args.forward_only:
                 out["fwd+bwd" + how + tag] = _torch_time(
-                    functools.partial(_torch_fwd_bwd, chained, qt, kt, vt, ctt)
+                    functools.partial(_torch_fwd_bwd, chained, qt, kts, vts, ctt)
                 ) / calls  # fmt: skip
     return out
 
