@@ -6,8 +6,8 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 79 on an H200 (its rows there date from 20 ms samples); 12's parts that
-# runs 44-47 did not reach.
+# Not yet run: 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
+# that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -80,7 +80,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 79}" in
+case "${1:?stage 1 to 80}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -903,6 +903,14 @@ case "${1:?stage 1 to 79}" in
     # sync, 0.4 ms longer than torch's, as 2-3% over each call (run 152). 36 rows: 280 s.
     suite 280 decode --suite decode --set q_len=1 ragged=false \
       --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  80)
+    # The timing's own sync at small decoding calls (`time_fn`): 20 and 100 ms samples of
+    # at most 100 and 1000 calls, the routes in turn; calls under 1 ms carry JAX's sync
+    # (0.41 ms longer than torch's, H100 run 152) over at most 100 calls. 150 s.
+    step 150 probe_sample_length python3 -m bench.probe_sample_length \
+      --out "$out/probe_sample_length.json" --shape 1,1,8192,32,8 1,1,32768,32,8 \
+      8,1,32768,32,32 --sample-ms 20 100 --max-inner 100 1000 --rounds 1
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -75,20 +75,22 @@ def time_fn(
     repeats: int = 20,
     budget_s: float = 10.0,
     min_sample_ms: float = 100.0,
+    max_inner: int = 100,
 ) -> float:
     """Median wall time in ms of one `fn()` after `warmup` untimed calls.
 
-    A sample is `sync` after `inner` back-to-back calls (at most 100), divided by `inner`,
-    with `inner` chosen so that a sample lasts about `min_sample_ms`: launches queue
-    asynchronously, so a kernel is timed without the host's dispatch and sync gap. That
-    gap is JAX's more than torch's: one call and its sync took 0.41 ms longer through JAX
-    than through torch at batch 8 MHA decoding over 32k keys (H100 run 152,
-    `bench/probe_sample_length.py`; the kernels took 1.37 ms alike by CUPTI, run 151),
+    A sample is `sync` after `inner` back-to-back calls (at most `max_inner`), divided by
+    `inner`, with `inner` chosen so that a sample lasts about `min_sample_ms`: launches
+    queue asynchronously, so a kernel is timed without the host's dispatch and sync gap.
+    That gap is JAX's more than torch's: one call and its sync took 0.41 ms longer through
+    JAX than through torch at batch 8 MHA decoding over 32k keys (H100 run 152,
+    `bench.probe_sample_length`; the kernels took 1.37 ms alike by CUPTI, run 151),
     which 20 ms samples (until run 152) spread as 3% over each call (ours 1.414 ms,
-    torch's cuDNN 1.378; with 200 ms samples 1.366 each). At most 100 calls a sample: a
-    deeper queue slowed JAX's calls of 0.04 ms (run 153, up to 1000: 0.055 ms, against
-    0.042 in run 154). Slow cases (a reference at a large size) take fewer samples, at
-    least 5, so that one case spends about `budget_s` seconds.
+    torch's cuDNN 1.378; with 200 ms samples 1.366 each). Calls under 1 ms still carry
+    the sync's share over 100 calls; samples of up to 1000 timed one 0.04 ms call slower
+    (run 153: 0.055 ms, 0.042 in run 154; its other rows alike), unexplained so far. Slow
+    cases (a reference at a large size) take fewer samples, at least 5, so that one case
+    spends about `budget_s` seconds.
     """
     last_ms = 0.0
     for i in range(warmup):
@@ -97,7 +99,7 @@ def time_fn(
         last_ms = (time.perf_counter() - start) * 1e3
         if i and last_ms > budget_s * 100:
             break  # the first call compiled; a slow case needs no more warm-up
-    inner = max(1, min(100, int(min_sample_ms / max(last_ms, 1e-3))))
+    inner = max(1, min(max_inner, int(min_sample_ms / max(last_ms, 1e-3))))
     samples: list[float] = []
     while len(samples) < repeats:
         start = time.perf_counter()

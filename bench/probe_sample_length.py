@@ -1,63 +1,105 @@
-"""How much of a call's time is the timing's own sync: `python bench/probe_sample_length.py`.
+"""How much of a call's time is the timing's own sync: `python -m bench.probe_sample_length
+--out F [--shape B,LQ,LKV,HQ,HKV ...] [--sample-ms MS ...] [--max-inner N ...]`.
 
-Decoding one query, MHA at batch 8 and 1 over 32k keys: our default, jax.nn's cuDNN
-and torch SDPA's cuDNN timed by `time_fn` at 20 ms and 200 ms samples (twice, in turn),
-then one call and its sync alone. Run 152 (H100): JAX's one call and sync took 0.41 ms
-longer than torch's, which 20 ms samples spread as 3% over each call of 1.4 ms; at 200
-ms our default and torch's cuDNN took 1.366 ms each. Prints its lines.
+Decoding (forward calls): our default, jax.nn's cuDNN and torch SDPA's cuDNN timed by
+`time_fn` at every pair of sample length and most calls a sample, the routes in turn,
+`--rounds` times; then one call and its sync alone. Run 152 (H100, batch 8 MHA over 32k
+keys): JAX's one call and sync took 0.41 ms longer than torch's, which 20 ms samples
+spread as 3% over each call of 1.4 ms; at 200 ms our default and torch's cuDNN took
+1.366 ms each. Rows: suite `probe_sample_length`, `ms` per call, `how` the setting.
 """
 
+import argparse
 import functools
+import pathlib
 import statistics
 import time
 
 import jax
 
 from bench.attention_suite import _jax_impls, _torch_impls
-from bench.harness import attention_operands, time_fn, torch_operands, warm_up_device
+from bench.harness import (
+    RowWriter,
+    attention_operands,
+    device_info,
+    parse_shape,
+    time_fn,
+    torch_operands,
+    versions,
+    warm_up_device,
+)
 
-SHAPES = [(8, 1, 32768, 32, 32), (1, 1, 32768, 32, 32)]  # B, LQ, LKV, HQ, HKV
+ROUTES = {"probjax auto": "jax", "jax.nn cudnn": "jax", "torch sdpa cudnn": "torch"}
+
+
+def _routes(q, k, v, ct) -> dict:
+    """`{name: (call, sync)}` of every route on these operands (on the CPU, a smoke run:
+    ours and jax.nn's XLA)."""
+    jax_impls, torch_impls = _jax_impls(), _torch_impls()
+    routes = ROUTES
+    if jax.devices()[0].platform != "gpu":
+        routes = {"probjax auto": "jax", "jax.nn xla": "jax"}
+    out = {}
+    for name, kind in routes.items():
+        if kind == "jax":
+            call = jax.jit(functools.partial(jax_impls[name], causal=False))
+            out[name] = (functools.partial(call, q, k, v), jax.block_until_ready)
+        elif name in torch_impls:
+            import torch
+
+            qt, kt, vt, _ = torch_operands(q, k, v, ct)
+
+            def torch_call(f=torch_impls[name], qt=qt, kt=kt, vt=vt):
+                with torch.no_grad():
+                    return f(qt, kt, vt, False)
+
+            out[name] = (torch_call, lambda _: torch.cuda.synchronize())
+    return out
+
+
+def _alone_ms(fn, sync, calls: int = 21) -> float:
+    """Median ms of one call and its sync."""
+    sync(fn())
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        sync(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def main():
-    import torch
-
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--shape", nargs="*", default=["8,1,32768,32,32", "1,1,32768,32,32"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--sample-ms", type=float, nargs="*", default=[20.0, 200.0])
+    parser.add_argument("--max-inner", type=int, nargs="*", default=[100])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
     warm_up_device()
-    jax_impls, torch_impls = _jax_impls(), _torch_impls()
-    for shape in SHAPES:
-        q, k, v, ct = attention_operands(shape, 128)
-        qt, kt, vt, _ = torch_operands(q, k, v, ct)
-
-        def jax_call(name, q=q, k=k, v=v):
-            return functools.partial(
-                jax.jit(functools.partial(jax_impls[name], causal=False)), q, k, v
-            )
-
-        def torch_call(qt=qt, kt=kt, vt=vt):
-            with torch.no_grad():
-                return torch_impls["torch sdpa cudnn"](qt, kt, vt, False)
-
-        def torch_sync(_):
-            torch.cuda.synchronize()
-
-        routes = {
-            "ours": (jax_call("probjax auto"), jax.block_until_ready),
-            "jax.nn": (jax_call("jax.nn cudnn"), jax.block_until_ready),
-            "torch": (torch_call, torch_sync),
-        }
-        for sample_ms in (20.0, 200.0, 20.0, 200.0):
-            times = {n: time_fn(f, s, min_sample_ms=sample_ms) for n, (f, s) in routes.items()}
-            line = " ".join(f"{n} {ms:.4f}" for n, ms in times.items())
-            print(shape, f"sample {sample_ms:5.0f} ms: {line}", flush=True)
-        for name in ("ours", "torch"):
-            fn, sync = routes[name]
-            sync(fn())
-            alone = []
-            for _ in range(21):
-                start = time.perf_counter()
-                sync(fn())
-                alone.append((time.perf_counter() - start) * 1e3)
-            print(shape, name, f"one call + sync, median {statistics.median(alone):.4f} ms")
+    writer = RowWriter(args.out)
+    base = dict(device=device_info(), versions=versions(), suite="probe_sample_length")
+    for text in args.shape:
+        sizes = parse_shape(text)
+        q, k, v, ct = attention_operands(sizes, args.head_dim)
+        routes = _routes(q, k, v, ct)
+        shape = dict(zip(("batch", "q_len", "kv_len", "q_heads", "kv_heads"), sizes,
+                         strict=True), head_dim=args.head_dim)  # fmt: skip
+        settings = [(ms, most) for ms in args.sample_ms for most in args.max_inner]
+        for round_ in range(args.rounds):
+            for sample_ms, most in settings:
+                for name, (fn, sync) in routes.items():
+                    ms = time_fn(fn, sync, min_sample_ms=sample_ms, max_inner=most)
+                    how = f"{sample_ms:g} ms samples, at most {most} calls"
+                    writer.add(dict(base, implementation=name, shape=shape, round=round_,
+                                    how=how, dtype="bfloat16", ms=ms))  # fmt: skip
+                    print(f"{text} r{round_} {how:34s} {name:18s} {ms:.4f} ms", flush=True)
+        for name, (fn, sync) in routes.items():
+            ms = _alone_ms(fn, sync)
+            writer.add(dict(base, implementation=name, shape=shape, how="one call and its sync",
+                            dtype="bfloat16", ms=ms))  # fmt: skip
+            print(f"{text} one call and its sync {name:18s} {ms:.4f} ms", flush=True)
 
 
 if __name__ == "__main__":
