@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
+# Not yet run: 81; 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
 # that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
@@ -80,7 +80,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 80}" in
+case "${1:?stage 1 to 81}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -911,6 +911,21 @@ case "${1:?stage 1 to 80}" in
     step 150 probe_sample_length python3 -m bench.probe_sample_length \
       --out "$out/probe_sample_length.json" --shape 1,1,8192,32,8 1,1,32768,32,8 \
       8,1,32768,32,32 --sample-ms 20 100 --max-inner 100 1000 --rounds 1
+    ;;
+  81)
+    # Training over a KV cache's shape, batch 8 MHA, 128 queries over 8192 keys: our
+    # default (Mosaic, its own dQ kernel) 1.81 ms fwd+bwd, torch SDPA cuDNN 1.56, jax.nn's
+    # route to cuDNN 1.94-1.96 (XLA's zero-fill of dK/dV; H100 runs 108-112). Its dK/dV
+    # kernel took 1.02 ms (run 116), ~63% of DRAM peak for the K/V it reads and dK/dV it
+    # writes. The backward's ring depth, registers and tiles, then the suite's row. 330
+    # + 100 s.
+    step 330 sweep_mosaic_kv_train python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_kv_train.json" --implementation mosaic --seq 128 \
+      --kv-seq 8192 --batch 8 --heads 32 --head-dim 128 --causal 0 --part bwd --config \
+      '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"backward_memory_registers": 24}' \
+      '{"block_k_dq": 128}' '{"block_k_dkv": 128}' '{"block_k_dkv": 128, "fused_dq": true}'
+    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
+      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
