@@ -47,6 +47,7 @@ def test_report_marks_the_default_and_lists_gaps(tmp_path):
     assert "| 1.00 | 1 GiB |" in text.split("## moe")[1]  # ratio, then the scratch
     assert "2 passed, 1 failed" in text
     assert "torch sdpa cudnn takes 0.80x our time" in text
+    assert "(20 ms samples: our time carries JAX's sync)" in text  # run 1, a torch peer
     assert "(run 1; our default's newest row, run 2, has no peer beside it)" in text
     assert "torch sdpa flash takes" not in text
     assert (tmp_path / "out" / "h200_attention.png").stat().st_size > 0
