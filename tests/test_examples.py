@@ -18,13 +18,15 @@ def run_example(name, *args):
     return result.stdout
 
 
-def test_quickstart_learns_and_round_trips_a_checkpoint(tmp_path):
+def test_quickstart_learns_continues_from_kv_caches_and_round_trips_a_checkpoint(tmp_path):
     out = run_example(
         "quickstart.py", "--steps", "120", "--checkpoint", str(tmp_path / "m.eqx"),
         "--plot", str(tmp_path / "loss.png"),
     )  # fmt: skip
     initial, final = (float(x) for x in re.search(r"eval loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert final < 0.5 * initial, out
+    accuracy = float(re.search(r"greedy continuations .*: ([\d.]+)% of tokens", out).group(1))
+    assert accuracy > 3 * 100 / 17, out  # 3x chance (vocab 17), decoding from KV caches
     assert "checkpoint saved and reloaded" in out
     assert (tmp_path / "m.eqx").stat().st_size > 0
 
