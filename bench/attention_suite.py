@@ -134,6 +134,29 @@ def _torch_impls() -> dict[str, Callable]:
     }
 
 
+def forward_calls(q, k, v, names) -> dict[str, tuple[Callable, Callable]]:
+    """`{name: (call, sync)}`: an unmasked forward of each implementation named on these
+    operands (JAX's jitted, torch's on contiguous copies without autograd) and what waits
+    for its result. Names this process lacks (torch's without torch) are left out."""
+    jax_impls, torch_impls = _jax_impls(), _torch_impls()
+    out = {}
+    for name in names:
+        if name in torch_impls:
+            import torch
+
+            qt, kt, vt = (to_torch(x) for x in (q, k, v))
+
+            def torch_call(f=torch_impls[name], qt=qt, kt=kt, vt=vt):
+                with torch.no_grad():
+                    return f(qt, kt, vt, False)
+
+            out[name] = (torch_call, lambda _: torch.cuda.synchronize())
+        elif name in jax_impls:
+            call = jax.jit(functools.partial(jax_impls[name], causal=False))
+            out[name] = (functools.partial(call, q, k, v), jax.block_until_ready)
+    return out
+
+
 def _time_jax(f, q, k, v, ct, causal, repeats, layers=1):
     """`(out's first CHECK_ROWS queries, fwd ms, fwd+bwd ms, (dq, dk, dv) under
     rows_cotangent(ct, CHECK_ROWS))`, per call of a stack of `layers`."""

@@ -11,19 +11,15 @@ median gap.
 """
 
 import argparse
-import functools
 import pathlib
 import statistics
 
-import jax
-
-from bench.attention_suite import _jax_impls, _torch_impls
+from bench.attention_suite import forward_calls
 from bench.harness import (
     RowWriter,
     attention_operands,
     device_info,
     parse_shape,
-    torch_operands,
     versions,
     warm_up_device,
 )
@@ -57,29 +53,15 @@ def main():
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    import torch
 
     warm_up_device()
     writer = RowWriter(args.out)
     base = dict(device=device_info(), versions=versions(), suite="probe_kernel_context")
     sizes = parse_shape(args.shape)
-    q, k, v, ct = attention_operands(sizes, args.head_dim)
-    jax_impls, torch_impls = _jax_impls(), _torch_impls()
-    qt, kt, vt, _ = torch_operands(q, k, v, ct)
+    q, k, v, _ = attention_operands(sizes, args.head_dim)
+    routes = forward_calls(q, k, v, ROUTES)
     for round_ in range(args.rounds):
-        for name in ROUTES:
-            if name in torch_impls:
-                f = torch_impls[name]
-
-                def fn(f=f):
-                    with torch.no_grad():
-                        return f(qt, kt, vt, False)
-
-                sync = lambda _: torch.cuda.synchronize()  # noqa: E731
-            else:
-                fn = functools.partial(jax.jit(functools.partial(jax_impls[name], causal=False)),
-                                       q, k, v)  # fmt: skip
-                sync = jax.block_until_ready
+        for name, (fn, sync) in routes.items():
             kernels = _kernels(args.calls, fn, sync)
             by_name: dict[str, list[tuple[float, float]]] = {}
             end = None

@@ -10,51 +10,25 @@ spread as 3% over each call of 1.4 ms; at 200 ms our default and torch's cuDNN t
 """
 
 import argparse
-import functools
 import pathlib
 import statistics
 import time
 
 import jax
 
-from bench.attention_suite import _jax_impls, _torch_impls
+from bench.attention_suite import forward_calls
 from bench.harness import (
     RowWriter,
     attention_operands,
     device_info,
     parse_shape,
     time_fn,
-    torch_operands,
     versions,
     warm_up_device,
 )
 
-ROUTES = {"probjax auto": "jax", "jax.nn cudnn": "jax", "torch sdpa cudnn": "torch"}
-
-
-def _routes(q, k, v, ct) -> dict:
-    """`{name: (call, sync)}` of every route on these operands (on the CPU, a smoke run:
-    ours and jax.nn's XLA)."""
-    jax_impls, torch_impls = _jax_impls(), _torch_impls()
-    routes = ROUTES
-    if jax.devices()[0].platform != "gpu":
-        routes = {"probjax auto": "jax", "jax.nn xla": "jax"}
-    out = {}
-    for name, kind in routes.items():
-        if kind == "jax":
-            call = jax.jit(functools.partial(jax_impls[name], causal=False))
-            out[name] = (functools.partial(call, q, k, v), jax.block_until_ready)
-        elif name in torch_impls:
-            import torch
-
-            qt, kt, vt, _ = torch_operands(q, k, v, ct)
-
-            def torch_call(f=torch_impls[name], qt=qt, kt=kt, vt=vt):
-                with torch.no_grad():
-                    return f(qt, kt, vt, False)
-
-            out[name] = (torch_call, lambda _: torch.cuda.synchronize())
-    return out
+ROUTES = ["probjax auto", "jax.nn cudnn", "torch sdpa cudnn"]
+CPU_ROUTES = ["probjax auto", "jax.nn xla"]  # a smoke run
 
 
 def _alone_ms(fn, sync, calls: int = 21) -> float:
@@ -82,8 +56,9 @@ def main():
     base = dict(device=device_info(), versions=versions(), suite="probe_sample_length")
     for text in args.shape:
         sizes = parse_shape(text)
-        q, k, v, ct = attention_operands(sizes, args.head_dim)
-        routes = _routes(q, k, v, ct)
+        q, k, v, _ = attention_operands(sizes, args.head_dim)
+        names = ROUTES if jax.devices()[0].platform == "gpu" else CPU_ROUTES
+        routes = forward_calls(q, k, v, names)
         shape = dict(zip(("batch", "q_len", "kv_len", "q_heads", "kv_heads"), sizes,
                          strict=True), head_dim=args.head_dim)  # fmt: skip
         settings = [(ms, most) for ms in args.sample_ms for most in args.max_inner]
