@@ -23,6 +23,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
@@ -70,14 +71,9 @@ def check_arrays(tree, *, batch: int, heads: int, q_len: int, kv_len: int) -> No
     or position, a longer or shorter one would be clamped and read another's entry.
     """
     sizes = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
-
-    def visit(node):
-        if isinstance(node, (tuple, list)):
-            for item in node:
-                visit(item)
-        if not isinstance(node, eqx.Module):
-            return
-        for field, axes in getattr(type(node), "array_axes", {}).items():
+    holders = jax.tree.leaves(tree, is_leaf=lambda node: bool(getattr(node, "array_axes", None)))
+    for node in holders:
+        for field, axes in getattr(node, "array_axes", {}).items():
             shape = jnp.shape(getattr(node, field))
             named = axes[len(axes) - len(shape) :]
             if len(shape) > len(axes) or any(
@@ -88,10 +84,6 @@ def check_arrays(tree, *, batch: int, heads: int, q_len: int, kv_len: int) -> No
                     f"{type(node).__name__}.{field} has shape {shape}, axes {axes} (leading ones "
                     f"may be left out): each must be 1 or the call's size ({call})"
                 )
-        for f in dataclasses.fields(node):
-            visit(getattr(node, f.name))
-
-    visit(tree)
 
 
 class AbstractMask(eqx.Module):
