@@ -113,6 +113,39 @@ def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("block_k_dkv", [64, 128])
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, mask, key_tiles",
+    [
+        (8, 8, None, 4),
+        (8, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 900])), 3),
+    ],
+    ids=["mha", "gqa_causal_lengths"],
+)
+def test_mosaic_dkv_over_several_key_tiles_on_gpu(
+    getkey, q_heads, kv_heads, mask, key_tiles, block_k_dkv
+):
+    """key_tiles_dkv under the GPU's defaults (register operands, transposed views), on one
+    warpgroup or two fed by a TMA warpgroup: the query tiles resident in the ring (MHA) or
+    streamed on across key tiles (GQA), a short last program, an example without keys."""
+    dev = jax.devices()[0]
+    if getattr(dev, "compute_capability", None) != "9.0":
+        pytest.skip("not an sm_90 device")
+    q, k, v = make_qkv(getkey(), batch=2, q_len=128, kv_len=1000, q_heads=q_heads,
+                       kv_heads=kv_heads, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    config = explain_attention(q, k, v, mask=mask, implementation="mosaic").config
+    config = dataclasses.replace(
+        config, block_k_dkv=block_k_dkv, fused_dq=False, key_tiles_dkv=key_tiles
+    )
+    ct = jax.random.normal(getkey(), q.shape)
+    check_against_oracle(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, mask=mask, implementation="mosaic", config=config
+        ),
+        q, k, v, ct, mask=mask,
+    )  # fmt: skip
+
+
 @pytest.mark.float32_matmul
 def test_xla_float32_is_exact_on_gpu(getkey):
     q, k, v = make_qkv(getkey(), q_len=64, kv_len=80)

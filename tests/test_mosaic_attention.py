@@ -129,6 +129,40 @@ def test_one_slot_rings(getkey):
 
 
 @pytest.mark.parametrize(
+    "batch, kv_len, q_heads, block_k_dkv, key_tiles, num_stages, mask",
+    [
+        # Unmasked MHA: both query tiles stay in the ring for every key tile; 6 key
+        # tiles over programs of 4 (the last one short, its last tile padded).
+        (1, 330, 2, 64, 4, 2, None),
+        # GQA, causal, KV lengths: the steps stream on across key tiles; the example
+        # without keys stores zeros; tiles run over their program's union of ranges.
+        (2, 200, 4, 64, 3, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 150]))),
+        # Key segment ids in the two slots beside K and V; a one-slot ring.
+        (1, 260, 2, 64, 2, 1, "segments"),
+        # Two compute warpgroups of 64 keys, each loading its own half of the next tile,
+        # fed by the TMA warpgroup: resident with each warpgroup's key ids, and streamed.
+        (1, 330, 2, 128, 2, 2, "segments"),
+        (2, 200, 4, 128, 2, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 150]))),
+    ],
+)
+def test_dkv_programs_over_several_key_tiles(getkey, batch, kv_len, q_heads, block_k_dkv,
+                                             key_tiles, num_stages, mask):  # fmt: skip
+    """key_tiles_dkv > 1: a dK/dV program runs its key tiles in turn, the next tile's K / V
+    loading into the other slot while one computes."""
+    q_len = 100
+    if mask == "segments":
+        ids = jnp.arange(max(q_len, kv_len)) // 70
+        mask = masks.Segments(ids[None, :q_len], ids[None, :kv_len])
+    kv_heads = 2 if q_heads == 2 else 1
+    q, k, v = make_qkv(getkey(), batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads,
+                       kv_heads=kv_heads, qk_dim=16, dtype=jnp.bfloat16)  # fmt: skip
+    ct = jax.random.normal(getkey(), (batch, q_len, q_heads, 16))
+    config = dataclasses.replace(CFG, block_k_dkv=block_k_dkv, key_tiles_dkv=key_tiles,
+                                 num_stages=num_stages)  # fmt: skip
+    check(q, k, v, ct, mask, config)
+
+
+@pytest.mark.parametrize(
     "qk_dim, num_stages, lengths",
     [
         # One 64-row block of dQ^T, the warpgroups' in turns. Two query heads over one KV

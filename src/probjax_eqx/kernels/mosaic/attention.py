@@ -5,12 +5,13 @@ warpgroups each run the online softmax (base 2, float32) over 64-row halves with
 on shared-memory operands, while a third warpgroup streams K and V tiles with TMA into a
 `num_stages`-deep ring, released by per-slot "consumed" barriers (`overlap_softmax`: each
 step's softmax runs while the previous step's P @ V is on the tensor cores). Backward: a
-dK/dV kernel (one program per key tile, looping over query tiles) and a dQ kernel (one
-program per query tile, looping over key tiles), each prefetching the next tile's operands
-with TMA while it computes the current one; with `block_k_dkv=128` the dK/dV program
-instead has two compute warpgroups of 64 keys sharing each query tile, fed by a TMA
-warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing each key
-tile). Every backward step issues its two score-side products (S and dP) together and
+dK/dV kernel (one program per key tile, looping over query tiles; with `key_tiles_dkv`
+several key tiles in turn, the next one's K / V loading while one computes) and a dQ
+kernel (one program per query tile, looping over key tiles), each prefetching the next
+tile's operands with TMA while it computes the current one; with `block_k_dkv=128` the
+dK/dV program instead has two compute warpgroups of 64 keys sharing each query tile, fed
+by a TMA warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing
+each key tile). Every backward step issues its two score-side products (S and dP) together and
 computes P while dP runs. With `fused_dq` (FA3's backward) the dK/dV program also computes
 dQ's share of each step and adds it by TMA reductions into a float32 dQ^T: no dQ kernel,
 and no second pass over S and dP.
@@ -95,6 +96,14 @@ class MosaicAttentionConfig:
             tile) or 128 (two compute warpgroups of 64 keys sharing each query tile, fed by
             a TMA warpgroup, with FA3's register split). The field defaults to 64,
             which always fits; `default_config` takes 128 where shared memory allows.
+        key_tiles_dkv: key tiles (of `block_k_dkv=64` keys) per dK/dV program, one after
+            another. K and V sit in two slots, the next tile's loading while this one
+            computes and the last one's dK/dV leave by TMA; where a program's query tiles
+            (over every query head of its KV head) fit the ring (`num_stages`), its Q and
+            dO tiles load once and serve every key tile. Each tile runs over the union of
+            its program's query-tile ranges, masking what its own range leaves out: meant
+            for unmasked calls, few query tiles over many keys, whose one-tile programs
+            leave the loads unhidden (`default_config` takes it with dQ's own kernel).
         block_q_dq: query rows per dQ program: 64 (one warpgroup) or 128 (two compute
             warpgroups of 64 rows sharing each key tile, fed by a TMA warpgroup); as
             `block_k_dkv`, 64 here and 128 from `default_config` where it fits.
@@ -189,6 +198,7 @@ class MosaicAttentionConfig:
     block_k: int = 128
     block_q_dkv: int = 64
     block_k_dkv: int = 64
+    key_tiles_dkv: int = 1
     block_q_dq: int = 64
     block_k_dq: int = 64
     num_stages: int = 2
@@ -220,6 +230,13 @@ class MosaicAttentionConfig:
             raise ValueError(
                 "fused_dq needs block_k_dkv=128: the dK/dV program's two compute "
                 "warpgroups split dQ's products"
+            )
+        if self.key_tiles_dkv < 1:
+            raise ValueError(f"key_tiles_dkv={self.key_tiles_dkv} must be >= 1")
+        if self.key_tiles_dkv > 1 and self.fused_dq:
+            raise ValueError(
+                "key_tiles_dkv > 1 runs without fused_dq: its dK/dV programs hold no dQ^T "
+                "buffers across key tiles"
             )
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
@@ -301,11 +318,14 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
     """Shared-memory buffers of a dK/dV program.
 
     With `block_k_dkv=128` two compute warpgroups (64 keys each) share the query ring;
-    with `fused_dq` they also hold `_fused_dq_scratch`.
+    with `fused_dq` they also hold `_fused_dq_scratch`. With `key_tiles_dkv > 1` the
+    key tile's buffers (K, V, key ids) have two slots.
     """
     stages, bq, bk = cfg.num_stages, cfg.block_q_dkv, cfg.block_k_dkv
     wgs = bk // _WG_ROWS
-    keys = (wgs, _WG_ROWS) if wgs > 1 else (bk,)
+    kv_slots = 2 if cfg.key_tiles_dkv > 1 else 1
+    rows = (wgs, _WG_ROWS) if wgs > 1 else (bk,)  # each compute warpgroup's keys
+    keys = (kv_slots, *rows) if kv_slots > 1 else rows
     views = cfg.transposed_views
     ring = [
         swizzled((stages, bq, d), dtype),
@@ -320,14 +340,14 @@ def _dkv_scratch(cfg: MosaicAttentionConfig, d, dv, dtype, n_q_pos=0, n_kv_pos=0
         swizzled((*keys, d), dtype),
         swizzled((*keys, dv), dtype),
         *ring,
-        plgpu.Barrier(num_arrivals=1, num_barriers=own_tiles * wgs),
+        plgpu.Barrier(num_arrivals=1, num_barriers=own_tiles * wgs * kv_slots),
         plgpu.Barrier(num_arrivals=1, num_barriers=(len(ring) + n_q_pos) * stages),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] if wgs > 1 else []),
         *[plgpu.SMEM(keys, jnp.int32)] * n_kv_pos,
         *[plgpu.SMEM((stages, bq), jnp.int32)] * n_q_pos,
         *(_fused_dq_scratch(cfg, d, dtype) if cfg.fused_dq else []),
         # P^T's and dS^T's staging (`fused_dq` stages dS^T for dQ anyway).
-        *_staging(cfg, (*keys, bq), dtype, count=1 if cfg.fused_dq else 2),
+        *_staging(cfg, (*rows, bq), dtype, count=1 if cfg.fused_dq else 2),
     ]
 
 
@@ -1333,9 +1353,10 @@ def _dkv_kernel(*refs, st, rebuild):
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
     own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
     bq = cfg.block_q_dkv
-    j, kv_h, b = _program(cfg, st.kv_pad // cfg.block_k_dkv, st.call.kv_heads, st.call.batch, "k")
+    key_tiles = st.kv_pad // cfg.block_k_dkv
+    programs = -(-key_tiles // cfg.key_tiles_dkv)
+    j, kv_h, b = _program(cfg, programs, st.call.kv_heads, st.call.batch, "k")
     groups = st.call.groups
-    ranges = tuple(ref[b, j] for ref in refs[8:12])
     operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
     ring = _Ring((*loaded, *step_ids), bars, cfg.num_stages, free)
     id_refs = [op_refs[k] for k in q_pos]
@@ -1345,6 +1366,15 @@ def _dkv_kernel(*refs, st, rebuild):
 
     def views_of(g, i):
         return _query_tile_views(sources, id_refs, b, query_head(g), pl.ds(i * bq, bq), views)
+
+    if cfg.key_tiles_dkv > 1:
+        _dkv_key_tiles(
+            st, rebuild, j, kv_h, b, key_tiles, refs[8:12], (k_ref, v_ref), dk_ref, dv_ref,
+            [op_refs[k] for k in kv_pos], (k_smem, v_smem, *own_ids), kv_bar, operands,
+            ring, views_of, kv_pos, list(zip(q_pos, step_ids)), staging, op_refs,
+        )  # fmt: skip
+        return
+    ranges = tuple(ref[b, j] for ref in refs[8:12])
 
     def fused_step(wg, n, i, h):
         if views:
@@ -1404,6 +1434,143 @@ def _dkv_kernel(*refs, st, rebuild):
 
     _backward_program(
         ring, ranges, views_of, compute, st.config.backward_memory_registers, members=groups
+    )
+
+
+def _dkv_key_tiles(
+    st, rebuild, p, kv_h, b, key_tiles, range_refs, kv_refs, dk_ref, dv_ref, own_refs,
+    own_bufs, kv_bar, operands, ring, views_of, kv_pos, step, staging, op_refs,
+):  # fmt: skip
+    """A dK/dV program over `key_tiles_dkv` key tiles in turn (`p`: its rank).
+
+    Each compute warpgroup (one, or two of 64 keys each) loads K, V (and the keys'
+    segment ids) of its part of tile t + 1 into the other slot of `own_bufs` while tile t
+    computes, once tile t - 1's dK/dV, staged there, have been read out by TMA. Every
+    tile loops over the union `[lo, hi)` of the program's query ranges (tiles outside its
+    own full range masked), so that each step's Q / dO tile is the same in every key
+    tile: where a key tile's steps fit the ring they load once (`resident`), otherwise
+    the ring streams them on across key tiles (`_backward_program`'s feeding).
+    """
+    cfg, n = st.config, st.config.key_tiles_dkv
+    bk, stages, members = cfg.block_k_dkv, cfg.num_stages, st.call.groups
+    wgs = bk // _WG_ROWS
+    first = p * n
+    here = jnp.minimum(n, key_tiles - first)  # the last program may be short
+
+    def tile_ranges(t):
+        return tuple(ref[b, first + t] for ref in range_refs)
+
+    big = jnp.int32(2**30)
+    lo, hi = big, jnp.int32(0)
+    for t in range(n):
+        t_lo, _, _, t_hi = tile_ranges(jnp.minimum(t, here - 1))
+        some = t_hi > t_lo
+        lo = jnp.minimum(lo, jnp.where(some, t_lo, big))
+        hi = jnp.maximum(hi, jnp.where(some, t_hi, 0))
+    count = jnp.maximum(hi - lo, 0)
+    lo = jnp.minimum(lo, hi)
+    per_tile = members * count  # a key tile's steps
+    steps = here * per_tile
+    resident = per_tile <= stages
+    loads = jnp.where(resident, per_tile, steps)
+
+    def slot_of(n_):
+        return lax.rem(jnp.where(resident, lax.rem(n_, jnp.maximum(per_tile, 1)), n_), stages)
+
+    def views_at(n_):  # step n_: member and query tile of its place in the key tile
+        within = lax.rem(n_, jnp.maximum(per_tile, 1))
+        per_member = jnp.maximum(count, 1)
+        return views_of(lax.div(within, per_member), lo + lax.rem(within, per_member))
+
+    n_own = len(own_bufs)
+    batch_scalars = _scalar_values(st, op_refs, b, None, ("batch",))
+
+    def compute(wg, before, after):
+        part = (lambda buf: buf) if wg is None else (lambda buf: buf.at[wg])
+        offset, bar_of = (0, lambda c: c) if wg is None else (wg * _WG_ROWS, lambda c: c * 2 + wg)
+
+        def issue_kv(t, slot):
+            keys = pl.ds((first + t) * bk + offset, _WG_ROWS)
+            sources = (kv_refs[0].at[b, keys, kv_h], kv_refs[1].at[b, keys, kv_h],
+                       *(ref.at[b, keys] for ref in own_refs))  # fmt: skip
+            for c, (src, buf) in enumerate(zip(sources, own_bufs)):
+                plgpu.copy_gmem_to_smem(
+                    src, part(buf.at[slot]), kv_bar.at[bar_of(slot * n_own + c)]
+                )
+
+        pl.when(steps > 0)(lambda: issue_kv(0, 0))
+
+        @pl.loop(0, here)
+        def _(t):
+            slot = lax.rem(t, 2)
+
+            @pl.when(jnp.logical_and(steps > 0, t + 1 < here))
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile t - 1's dK/dV are out
+                issue_kv(t + 1, 1 - slot)
+
+            @pl.when(steps > 0)
+            def _():
+                for c in range(n_own):
+                    plgpu.barrier_wait(kv_bar.at[bar_of(slot * n_own + c)])
+
+            key0 = (first + t) * bk + offset
+            k_tile, v_tile, *ids = (part(buf.at[slot]) for buf in own_bufs)
+            tiles = (k_tile, v_tile, *(buf if buf is None else part(buf) for buf in staging))
+            own = list(zip(kv_pos, ids))
+            _, t_flo, t_fhi, _ = tile_ranges(t)
+            full_lo = jnp.clip(t_flo, lo, hi)
+            ranges = (lo, full_lo, jnp.clip(t_fhi, full_lo, hi), hi)
+
+            def accumulate(*accs):
+                def member(g, carry):
+                    def body(i, carry, masked):
+                        n_ = t * per_tile + g * count + i - lo
+                        slot_n = slot_of(n_)
+                        before(n_, slot_n)
+                        h = kv_h * members + g
+                        scalars = {**batch_scalars, **_scalar_values(st, op_refs, b, h, ("head",))}
+                        _dkv_step(st, rebuild, scalars, h, b, i, key0, own, step, operands,
+                                  slot_n, tiles, accs, masked)  # fmt: skip
+                        after(n_, slot_n)
+                        return carry
+
+                    return _flash.tile_loop(ranges, body, carry)
+
+                lax.fori_loop(0, members, member, None)
+                return tuple(acc[...] for acc in accs)
+
+            accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
+            dk, dv = pl.run_scoped(accumulate, *accs)
+            keys = pl.ds(key0, _WG_ROWS)
+            for value, smem in ((dk, k_tile), (dv, v_tile)):  # K and V are spent: stage there
+                smem[...] = value.astype(smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kv_h])
+            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kv_h])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    if wgs == 1:  # the warpgroup prefetches the ring's next step itself
+        ring_step = prefetching_loop(
+            loads, lambda n_: ring.issue(views_at(n_), slot_of(n_)),
+            lambda n_: ring.wait(slot_of(n_)), stages,
+        )  # fmt: skip
+        compute(None, lambda n_, s: pl.when(n_ < loads)(lambda: ring_step(n_)), lambda *a: None)
+        return
+
+    def wait(n_, slot):
+        pl.when(n_ < loads)(lambda: ring.wait(slot))
+
+    def release(n_, slot):
+        pl.when(n_ < loads)(lambda: plgpu.barrier_arrive(ring.free.at[slot]))
+
+    warp_specialized(
+        lambda wg: compute(wg, wait, release),
+        lambda: tma_ring(
+            loads, stages, [(ring.free, lambda n_, slot: ring.issue(views_at(n_), slot))]
+        ),
+        cfg.backward_memory_registers,
     )
 
 
@@ -1556,7 +1723,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
     )
     scratch = _dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos)
-    grid, grid_names = _grid(cfg, st.kv_pad // bk, kv_heads, batch, "k")
+    grid, grid_names = _grid(cfg, -(-st.kv_pad // (bk * cfg.key_tiles_dkv)), kv_heads, batch, "k")
     num_threads, thread_name = (3, "wg") if wgs > 1 else (None, None)
     inputs = (q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
     dkv_kernel = functools.partial(_dkv_kernel, st=st, rebuild=rebuild)
