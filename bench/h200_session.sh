@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 81; 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
+# Not yet run: 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
 # that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
@@ -27,7 +27,9 @@
 # 73, run 140 73's GPU tests; runs 141-144 (an H200) ran 72, 74, 1 and 23; runs 145-146
 # (H100) ran 75 and 65, runs 147-149 (H100) 76, 77 and 78, runs 150-152 probes outside
 # the stages (command buffers off; CUPTI kernel times; sample length); runs 153-154 (H100)
-# ran 79 (153 at up to 1000 calls a sample, not merged), run 155 attention at T 4096.
+# ran 79 (153 at up to 1000 calls a sample, not merged), run 155 attention at T 4096;
+# runs 156-158 (H100) ran 81, 80 and 82, run 159 swept 82's configs further, run 160 ran
+# 83, run 161 the decode suite's train rows at batch 4 and 16 and over 32768 keys.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -917,15 +919,41 @@ case "${1:?stage 1 to 81}" in
     # default (Mosaic, its own dQ kernel) 1.81 ms fwd+bwd, torch SDPA cuDNN 1.56, jax.nn's
     # route to cuDNN 1.94-1.96 (XLA's zero-fill of dK/dV; H100 runs 108-112). Its dK/dV
     # kernel took 1.02 ms (run 116), ~63% of DRAM peak for the K/V it reads and dK/dV it
-    # writes. The backward's ring depth, registers and tiles, then the suite's row. 330
-    # + 100 s.
-    step 330 sweep_mosaic_kv_train python3 -m bench.sweep_attention \
+    # writes. Programs over several key tiles (`key_tiles_dkv`: K / V of the next tile
+    # loading while one computes, Q / dO loaded once), a one-slot ring (three programs
+    # an SM), tiles; the GPU tests of the key tiles; then the suite's row. 360 + 70 + 100 s.
+    step 360 sweep_mosaic_kv_train python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_kv_train.json" --implementation mosaic --seq 128 \
       --kv-seq 8192 --batch 8 --heads 32 --head-dim 128 --causal 0 --part bwd --config \
-      '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"backward_memory_registers": 24}' \
-      '{"block_k_dq": 128}' '{"block_k_dkv": 128}' '{"block_k_dkv": 128, "fused_dq": true}'
+      '{}' '{"num_stages": 1}' '{"key_tiles_dkv": 2}' '{"key_tiles_dkv": 4}' \
+      '{"key_tiles_dkv": 8}' '{"key_tiles_dkv": 16}' '{"key_tiles_dkv": 4, "num_stages": 1}' \
+      '{"block_k_dq": 128}' \
+      '{"block_k_dkv": 128, "fused_dq": true}'
+    gpu_tests 60 -k several_key_tiles
     suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
       kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  82)
+    # Stage 81's shape (H100 run 156: 64-key programs over 16 key tiles, one an SM, 1.711
+    # ms fwd+bwd against 1.708 with two one-tile programs an SM): two compute warpgroups
+    # of 64 keys a program over several key tiles, each loading its half of the next
+    # tile while one computes, Q / dO loaded once by the TMA warpgroup; then its GPU
+    # tests. 300 + 90 s.
+    step 300 sweep_mosaic_kv_tiles python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_kv_tiles.json" --implementation mosaic --seq 128 \
+      --kv-seq 8192 --batch 8 --heads 32 --head-dim 128 --causal 0 --part bwd --config \
+      '{}' '{"block_k_dkv": 128}' '{"block_k_dkv": 128, "key_tiles_dkv": 2}' \
+      '{"block_k_dkv": 128, "key_tiles_dkv": 4}' '{"block_k_dkv": 128, "key_tiles_dkv": 8}' \
+      '{"block_k_dkv": 128, "key_tiles_dkv": 16}' \
+      '{"block_k_dkv": 128, "key_tiles_dkv": 8, "backward_memory_registers": 24}'
+    gpu_tests 80 -k several_key_tiles
+    ;;
+  83)
+    # The default after runs 156-159 (dQ's own kernel beside 128-key dK/dV programs over
+    # 16 key tiles): stage 81's suite row, the auto-selection GPU tests. 100 + 120 s.
+    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
+      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    gpu_tests 110 -k "cross_attention_to_mosaic or several_key_tiles"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

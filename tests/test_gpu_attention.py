@@ -76,7 +76,8 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     """Few query tiles without a mask over long keys: Mosaic first on sm_90 (H100 runs 103,
     109), exact; its forward from the split-KV Triton kernel where its own grid is short
     (run 108; 8 x 16 heads: 128 programs, one split's waves already 97% full), dQ from
-    its own kernel at MHA's many heads (run 111), beside 64-key dK/dV programs (run 116)."""
+    its own kernel at MHA's many heads (run 111), beside dK/dV programs over several key
+    tiles (runs 156-159)."""
     dev = jax.devices()[0]
     if getattr(dev, "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
@@ -86,7 +87,7 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     assert choice.kernel == "mosaic"
     assert (choice.config.split_kv_forward is not None) == joined
     assert choice.config.fused_dq == fused_dq
-    assert choice.config.block_k_dkv == (128 if fused_dq else 64)  # run 116
+    assert choice.config.key_tiles_dkv == (1 if fused_dq else 16)  # runs 156-159
     ct = jax.random.normal(getkey(), q.shape)
     check_against_oracle(lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None)
 

@@ -384,7 +384,7 @@ def test_auto_joins_the_split_kv_forward_where_the_grid_is_short():
 
 def test_default_gives_dq_its_own_kernel_at_one_query_tile_over_many_keys():
     """MHA, <= 128 queries, >= half a wave of dQ programs: no fused dQ (runs 109, 111),
-    and 64-key dK/dV programs (run 116); fused dQ keeps two warpgroups of 64 keys."""
+    and dK/dV programs over 16 key tiles of 128 (runs 156-159); fused dQ keeps one."""
     from probjax_eqx.attention_call import AttentionCall
     from probjax_eqx.backends import DeviceInfo
     from probjax_eqx.kernels.mosaic.attention import default_config
@@ -395,7 +395,8 @@ def test_default_gives_dq_its_own_kernel_at_one_query_tile_over_many_keys():
         q, kv = (batch, q_len, 32, 128), (batch, kv_len, kv_heads, 128)
         call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
         config = default_config(call, h100)
-        assert config.block_k_dkv == (128 if config.fused_dq else 64)
+        assert config.block_k_dkv == 128
+        assert config.key_tiles_dkv == (1 if config.fused_dq else 16)
         return config.fused_dq
 
     assert not fused(4, 128, 8192) and not fused(8, 128, 32768)  # 128 / 256 programs

@@ -473,12 +473,17 @@ def _fused_dq_bytes(call: AttentionCall) -> int:
 # 8 over 32768 keys 7.472 / 7.233; batch 1 over 32768 (32 programs, joined) 0.940 / 1.276.
 # Grouped heads keep it fused (batch 8: 1.183 / 1.219, batch 16: 2.382 / 2.476), as do
 # self-attention (run 48) and hd 64 over 4096 keys (run 115, batch 8: 0.575 / 0.602).
-# Its dK/dV programs then take 64 keys on one warpgroup (`block_k_dkv`): two query tiles
-# a program leave little work to hide the K/V loads behind, and half the shared memory
-# lets two programs share an SM. H100 run 116, batch 8 over 8192 keys: the dK/dV kernel
-# 1.024 ms of 1.750 (trace), fwd+bwd 1.865 -> 1.731 ms (torch SDPA cuDNN 1.581); runs
-# 117-118, 128 / 64 keys a program (torch): batch 4 0.929 / 0.863, batch 16 3.628 / 3.399
-# (3.084), batch 8 over 32768 keys 7.302 / 6.813 (5.594), 96 queries 1.852 / 1.732 (1.534).
+# One-tile dK/dV programs leave their K/V loads unhidden behind two query tiles of work:
+# 64-key programs on one warpgroup, two an SM, beat 128-key ones (H100 run 116, batch 8
+# over 8192 keys: the dK/dV kernel 1.024 ms of 1.750, fwd+bwd 1.865 -> 1.731 ms; torch
+# SDPA cuDNN 1.581). Programs over `OWN_DQ_KEY_TILES` tiles of 128 keys (`key_tiles_dkv`)
+# load the next tile's K/V while one computes and Q/dO once, with FA3's 24 registers for
+# their TMA warpgroup, and dQ steps over 128 keys. H100 runs 156-159, that shape, fwd+bwd
+# ms: 64-key one-tile programs 1.708 / 1.712; 128-key over 1 / 2 / 4 / 8 / 16 tiles 1.827
+# / 1.687 / 1.633 / 1.624 / 1.583, 24 registers over 8 / 16 / 32 / 64: 1.573 / 1.562 /
+# 1.557 / 1.553, over 16 with dQ's 128 keys 1.543 (torch SDPA cuDNN 1.573, run 156).
+# 64-key programs over 16 tiles, one an SM: 1.711.
+OWN_DQ_KEY_TILES = 16
 OWN_DQ_KERNEL_MIN_WAVES = 0.5
 OWN_DQ_KERNEL_MIN_KV_LEN = 8192  # as timed
 OWN_DQ_KERNEL_HEAD_DIM = 128  # as timed
@@ -526,10 +531,10 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     forward schedule: ping-pong turns (`_pingpong`) around the intra-warpgroup overlap,
     24 registers for the TMA warpgroup; FA3's backward (`fused_dq`) up to
     `_FUSED_DQ_MAX_BYTES` of dQ reductions a head but where dQ's own kernel pays
-    (`_own_dq_kernel`, with 64-key dK/dV programs); the compiler's approximate exp2
-    (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU test passed exact
-    in run 58, its approximated case not yet run); each (batch, head)'s tiles launched
-    together (`_launch_group`).
+    (`_own_dq_kernel`, with dK/dV programs over several key tiles); the compiler's
+    approximate exp2 (`approx_math`) unless a score mod brings its tanh (SoftCap's GPU
+    test passed exact in run 58, its approximated case not yet run); each (batch,
+    head)'s tiles launched together (`_launch_group`).
 
     H200 run 44 (B4 H8 T4096 hd128 bf16, non-causal, fwd+bwd): 2.97 ms with 128/128 for
     dK/dV/dQ, 3.35 with 128/64, 3.34 with 64/128 and 3.77 with 64/64; 2.47 with 128/128
@@ -559,6 +564,11 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
         if _smem_need(call, cfg)[kernel] > SMEM_LIMIT:
             cfg = dataclasses.replace(cfg, **{field: _WG_ROWS})
     if gpu and _own_dq_kernel(call, device):
+        own = dataclasses.replace(
+            cfg, key_tiles_dkv=OWN_DQ_KEY_TILES, backward_memory_registers=24, block_k_dq=128
+        )
+        if max(_smem_need(call, own).values()) <= SMEM_LIMIT:
+            return own
         return dataclasses.replace(cfg, block_k_dkv=_WG_ROWS)
     most = _FUSED_DQ_MAX_BYTES.get(cfg.launch_group, _FUSED_DQ_MAX_BYTES[None])
     if gpu and cfg.block_k_dkv == 2 * _WG_ROWS and _fused_dq_bytes(call) <= most:
