@@ -6,8 +6,8 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 79 and 80 on an H200 (its decode rows date from 20 ms samples); 12's parts
-# that runs 44-47 did not reach.
+# Not yet run: 84; 79, 80 and 83 on an H200 (its decode rows date from 20 ms samples);
+# 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -954,6 +954,24 @@ case "${1:?stage 1 to 81}" in
     suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
       kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     gpu_tests 110 -k "cross_attention_to_mosaic or several_key_tiles"
+    ;;
+  84)
+    # Key-tile dK/dV programs beyond runs 156-161's MHA shapes (fwd+bwd, 128 queries):
+    # over 32768 keys, batch 8 MHA, the default 5.93 ms against torch SDPA cuDNN's 5.53
+    # (run 161): more key tiles a program, and fused dQ; 32 heads over 8, batch 8 over
+    # 8192 keys, whose default fuses dQ (1.19 ms, torch 1.74): dQ's own kernel beside key
+    # tiles instead. 250 + 200 s.
+    step 250 sweep_mosaic_kv_tiles_long python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_kv_tiles_long.json" --implementation mosaic --seq 128 \
+      --kv-seq 32768 --batch 8 --heads 32 --head-dim 128 --causal 0 --part bwd --config \
+      '{}' '{"key_tiles_dkv": 32}' '{"key_tiles_dkv": 64}' \
+      '{"key_tiles_dkv": 1, "fused_dq": true, "backward_memory_registers": 40}'
+    step 200 sweep_mosaic_kv_tiles_gqa python3 -m bench.sweep_attention \
+      --out "$out/sweep_mosaic_kv_tiles_gqa.json" --implementation mosaic --seq 128 \
+      --kv-seq 8192 --batch 8 --heads 32 --kv-heads 8 --head-dim 128 --causal 0 --part bwd \
+      --config '{}' '{"fused_dq": false, "key_tiles_dkv": 16, "backward_memory_registers": 24,
+      "block_k_dq": 128}' '{"fused_dq": false, "key_tiles_dkv": 4,
+      "backward_memory_registers": 24, "block_k_dq": 128}'
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
