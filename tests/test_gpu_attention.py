@@ -92,26 +92,31 @@ def test_auto_sends_cross_attention_to_mosaic(getkey, batch, q_heads, kv_heads, 
     check_against_oracle(lambda q, k, v: dot_product_attention(q, k, v), q, k, v, ct, mask=None)
 
 
-@pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["none", "causal"])
-def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
-    """num_stages=1 under the GPU's defaults: 64-key dK/dV programs and the one-warpgroup
-    dQ kernel loading each step after the last one's products (run 117 crashed when they
-    prefetched into the one slot), the forward's register mode and ping-pong turns."""
-    dev = jax.devices()[0]
-    if getattr(dev, "compute_capability", None) != "9.0":
+def check_mosaic_config_on_gpu(key, mask, q_len, q_heads, kv_heads, **changes):
+    """The GPU's Mosaic config for a batch of 2 over 1000 keys at hd 128, with `changes`."""
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         pytest.skip("not an sm_90 device")
-    q, k, v = make_qkv(getkey(), batch=2, q_len=320, kv_len=1000, q_heads=4, kv_heads=4,
-                       qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    q_key, ct_key = jax.random.split(key)
+    q, k, v = make_qkv(q_key, batch=2, q_len=q_len, kv_len=1000, q_heads=q_heads,
+                       kv_heads=kv_heads, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
     config = explain_attention(q, k, v, mask=mask, implementation="mosaic").config
-    config = dataclasses.replace(config, num_stages=1, block_k_dkv=64, block_q_dq=64,
-                                 fused_dq=False)  # fmt: skip
-    ct = jax.random.normal(getkey(), q.shape)
+    config = dataclasses.replace(config, **changes)
+    ct = jax.random.normal(ct_key, q.shape)
     check_against_oracle(
         lambda q, k, v: dot_product_attention(
             q, k, v, mask=mask, implementation="mosaic", config=config
         ),
         q, k, v, ct, mask=mask,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["none", "causal"])
+def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
+    """num_stages=1 under the GPU's defaults: 64-key dK/dV programs and the one-warpgroup
+    dQ kernel loading each step after the last one's products (run 117 crashed when they
+    prefetched into the one slot), the forward's register mode and ping-pong turns."""
+    check_mosaic_config_on_gpu(getkey(), mask, 320, 4, 4, num_stages=1, block_k_dkv=64,
+                               block_q_dq=64, fused_dq=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("block_k_dkv", [64, 128])
@@ -129,22 +134,8 @@ def test_mosaic_dkv_over_several_key_tiles_on_gpu(
     """key_tiles_dkv under the GPU's defaults (register operands, transposed views), on one
     warpgroup or two fed by a TMA warpgroup: the query tiles resident in the ring (MHA) or
     streamed on across key tiles (GQA), a short last program, an example without keys."""
-    dev = jax.devices()[0]
-    if getattr(dev, "compute_capability", None) != "9.0":
-        pytest.skip("not an sm_90 device")
-    q, k, v = make_qkv(getkey(), batch=2, q_len=128, kv_len=1000, q_heads=q_heads,
-                       kv_heads=kv_heads, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
-    config = explain_attention(q, k, v, mask=mask, implementation="mosaic").config
-    config = dataclasses.replace(
-        config, block_k_dkv=block_k_dkv, fused_dq=False, key_tiles_dkv=key_tiles
-    )
-    ct = jax.random.normal(getkey(), q.shape)
-    check_against_oracle(
-        lambda q, k, v: dot_product_attention(
-            q, k, v, mask=mask, implementation="mosaic", config=config
-        ),
-        q, k, v, ct, mask=mask,
-    )  # fmt: skip
+    check_mosaic_config_on_gpu(getkey(), mask, 128, q_heads, kv_heads, block_k_dkv=block_k_dkv,
+                               fused_dq=False, key_tiles_dkv=key_tiles)  # fmt: skip
 
 
 @pytest.mark.float32_matmul

@@ -96,7 +96,7 @@ class MosaicAttentionConfig:
             tile) or 128 (two compute warpgroups of 64 keys sharing each query tile, fed by
             a TMA warpgroup, with FA3's register split). The field defaults to 64,
             which always fits; `default_config` takes 128 where shared memory allows.
-        key_tiles_dkv: key tiles (of `block_k_dkv=64` keys) per dK/dV program, one after
+        key_tiles_dkv: key tiles (of `block_k_dkv` keys) per dK/dV program, one after
             another. K and V sit in two slots, the next tile's loading while this one
             computes and the last one's dK/dV leave by TMA; where a program's query tiles
             (over every query head of its KV head) fit the ring (`num_stages`), its Q and
@@ -1282,7 +1282,7 @@ def _backward_program(
                     slot = lax.rem(n, stages)
                     before(n, slot)
                     step(g, i, n, slot, masked)
-                    after(slot)
+                    after(n, slot)
                     return carry
 
                 return _flash.tile_loop(ranges, body, carry)
@@ -1294,20 +1294,40 @@ def _backward_program(
 
         return loop
 
+    def run(wg, before, after):
+        compute(loop_with(before, after), wg)
+
+    _fed(ring, steps, views_at, lambda n: lax.rem(n, stages), run, memory_registers)
+
+
+def _fed(ring: _Ring, loads, views_at, slot_of, run, memory_registers: int, guarded=False):
+    """`run(wg, before, after)` with the ring fed: steps 0 .. loads - 1 in turn.
+
+    `run` calls `before(n, slot)` ahead of step n's products on ring slot `slot` (its
+    operands, `views_at(n)`, went to `slot_of(n)`) and `after(n, slot)` once they are
+    done. Without `ring.free` one warpgroup (wg None) prefetches step n + 1's operands in
+    `before`; with it, warpgroups 0 and 1 run while warpgroup 2 streams the operands
+    (`tma_ring`), `memory_registers` a thread (FA3's split). With `guarded`, steps from
+    `loads` on reuse the slots already loaded, without waiting or releasing.
+    """
+    when = (lambda n, body: pl.when(n < loads)(body)) if guarded else (lambda n, body: body())
     if ring.free is None:
         prefetch = prefetching_loop(
-            steps,
-            lambda n: ring.issue(views_at(n), lax.rem(n, stages)),
-            lambda n: ring.wait(lax.rem(n, stages)),
-            stages,
+            loads,
+            lambda n: ring.issue(views_at(n), slot_of(n)),
+            lambda n: ring.wait(slot_of(n)),
+            ring.stages,
         )
-        compute(loop_with(lambda n, slot: prefetch(n), lambda slot: None), None)
+        run(None, lambda n, slot: when(n, lambda: prefetch(n)), lambda n, slot: None)
         return
-    release = lambda slot: plgpu.barrier_arrive(ring.free.at[slot])  # noqa: E731
     warp_specialized(
-        lambda wg: compute(loop_with(lambda n, slot: ring.wait(slot), release), wg),
+        lambda wg: run(
+            wg,
+            lambda n, slot: when(n, lambda: ring.wait(slot)),
+            lambda n, slot: when(n, lambda: plgpu.barrier_arrive(ring.free.at[slot])),
+        ),
         lambda: tma_ring(
-            steps, stages, [(ring.free, lambda n, slot: ring.issue(views_at(n), slot))]
+            loads, ring.stages, [(ring.free, lambda n, slot: ring.issue(views_at(n), slot))]
         ),
         memory_registers,
     )
@@ -1459,11 +1479,10 @@ def _dkv_key_tiles(
     tile loops over the union `[lo, hi)` of the program's query ranges (tiles outside its
     own full range masked), so that each step's Q / dO tile is the same in every key
     tile: where a key tile's steps fit the ring they load once (`resident`), otherwise
-    the ring streams them on across key tiles (`_backward_program`'s feeding).
+    the ring streams them on across key tiles (`_fed`).
     """
     cfg, n = st.config, st.config.key_tiles_dkv
     bk, stages, members = cfg.block_k_dkv, cfg.num_stages, st.call.groups
-    wgs = bk // _WG_ROWS
     first = p * n
     here = jnp.minimum(n, key_tiles - first)  # the last program may be short
 
@@ -1496,8 +1515,8 @@ def _dkv_key_tiles(
     batch_scalars = _scalar_values(st, op_refs, b, None, ("batch",))
 
     def compute(wg, before, after):
-        part = (lambda buf: buf) if wg is None else (lambda buf: buf.at[wg])
-        offset, bar_of = (0, lambda c: c) if wg is None else (wg * _WG_ROWS, lambda c: c * 2 + wg)
+        part, bar_of = _own_part(wg)
+        offset = 0 if wg is None else wg * _WG_ROWS
 
         def issue_kv(t, slot):
             keys = pl.ds((first + t) * bk + offset, _WG_ROWS)
@@ -1561,27 +1580,7 @@ def _dkv_key_tiles(
 
         plgpu.wait_smem_to_gmem(0)
 
-    if wgs == 1:  # the warpgroup prefetches the ring's next step itself
-        ring_step = prefetching_loop(
-            loads, lambda n_: ring.issue(views_at(n_), slot_of(n_)),
-            lambda n_: ring.wait(slot_of(n_)), stages,
-        )  # fmt: skip
-        compute(None, lambda n_, s: pl.when(n_ < loads)(lambda: ring_step(n_)), lambda *a: None)
-        return
-
-    def wait(n_, slot):
-        pl.when(n_ < loads)(lambda: ring.wait(slot))
-
-    def release(n_, slot):
-        pl.when(n_ < loads)(lambda: plgpu.barrier_arrive(ring.free.at[slot]))
-
-    warp_specialized(
-        lambda wg: compute(wg, wait, release),
-        lambda: tma_ring(
-            loads, stages, [(ring.free, lambda n_, slot: ring.issue(views_at(n_), slot))]
-        ),
-        cfg.backward_memory_registers,
-    )
+    _fed(ring, loads, views_at, slot_of, compute, cfg.backward_memory_registers, guarded=True)
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):
