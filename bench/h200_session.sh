@@ -6,8 +6,9 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 84; 79, 80 and 83 on an H200 (its decode rows date from 20 ms samples);
-# 12's parts that runs 44-47 did not reach.
+# Not yet run: 84; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
+# feeds every Mosaic backward ring; 79, 80 and 83 on an H200 (its decode rows date from 20
+# ms samples); 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -82,7 +83,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 81}" in
+case "${1:?stage 1 to 84}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
