@@ -11,10 +11,10 @@ kernel (one program per query tile, looping over key tiles), each prefetching th
 tile's operands with TMA while it computes the current one; with `block_k_dkv=128` the
 dK/dV program instead has two compute warpgroups of 64 keys sharing each query tile, fed
 by a TMA warpgroup (and with `block_q_dq=128` the dQ program: 64 rows each, sharing
-each key tile). Every backward step issues its two score-side products (S and dP) together and
-computes P while dP runs. With `fused_dq` (FA3's backward) the dK/dV program also computes
-dQ's share of each step and adds it by TMA reductions into a float32 dQ^T: no dQ kernel,
-and no second pass over S and dP.
+each key tile). Every backward step issues its two score-side products (S and dP)
+together and computes P while dP runs. With `fused_dq` (FA3's backward) the dK/dV
+program also computes dQ's share of each step and adds it by TMA reductions into a
+float32 dQ^T: no dQ kernel, and no second pass over S and dP.
 
 By default the wrapper passes the operands that appear transposed (K in QK^T, Q and dO
 in the dK/dV kernel, K and V in the dQ kernel) as `[batch, heads, dim, seq]` copies (one
