@@ -7,8 +7,9 @@
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
 # Not yet run: 84; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
-# feeds every Mosaic backward ring; 79, 80 and 83 on an H200 (its decode rows date from 20
-# ms samples); 12's parts that runs 44-47 did not reach.
+# feeds every Mosaic backward ring; 79 (now with torch SDPA's flash beside it: the H100's
+# flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows date from
+# 20 ms samples); 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -903,9 +904,10 @@ case "${1:?stage 1 to 84}" in
     ;;
   79)
     # Decoding one query again at 100 ms samples (`time_fn`): 20 ms samples spread JAX's
-    # sync, 0.4 ms longer than torch's, as 2-3% over each call (run 152). 36 rows: 280 s.
-    suite 280 decode --suite decode --set q_len=1 ragged=false \
-      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    # sync, 0.4 ms longer than torch's, as 2-3% over each call (run 152). With torch SDPA
+    # pinned to flash, 0.93-0.99x our time at 20 ms samples (H100 run 98). 48 rows: 380 s.
+    suite 380 decode --suite decode --set q_len=1 ragged=false \
+      --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn" "torch sdpa flash"
     ;;
   80)
     # The timing's own sync at small decoding calls (`time_fn`): 20 and 100 ms samples of
