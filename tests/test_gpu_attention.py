@@ -124,7 +124,7 @@ def test_mosaic_one_slot_rings_on_gpu(getkey, mask):
     "q_heads, kv_heads, mask, key_tiles",
     [
         (8, 8, None, 4),
-        (8, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 900])), 3),
+        (8, 2, masks.Causal() & masks.KVLengths(jnp.array([0, 900])), 3),
     ],
     ids=["mha", "gqa_causal_lengths"],
 )
@@ -133,7 +133,8 @@ def test_mosaic_dkv_over_several_key_tiles_on_gpu(
 ):
     """key_tiles_dkv under the GPU's defaults (register operands, transposed views), on one
     warpgroup or two fed by a TMA warpgroup: the query tiles resident in the ring (MHA) or
-    streamed on across key tiles (GQA), a short last program, an example without keys."""
+    streamed on across key tiles (GQA), a short last program, an example without keys,
+    key tiles of one program over different query tiles (top-left causal)."""
     check_mosaic_config_on_gpu(getkey(), mask, 128, q_heads, kv_heads, block_k_dkv=block_k_dkv,
                                fused_dq=False, key_tiles_dkv=key_tiles)  # fmt: skip
 

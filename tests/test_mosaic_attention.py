@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from _attention_cases import MASKS, make_qkv
@@ -128,6 +129,25 @@ def test_one_slot_rings(getkey):
     check(q, k, v, ct, masks.Causal(), config)
 
 
+@pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+def test_key_tile_programs_share_the_union_of_their_ranges(as_array):
+    """key_tiles_dkv=2: each tile's [lo, hi) becomes its program's union over non-empty
+    tiles, its full range clipped into it; an all-empty program stays empty. Unmasked
+    calls' numpy ranges stay numpy (constants in the kernel call)."""
+    # Programs of tiles 0-1 (both non-empty), 2-3 (tile 2 empty) and 4 (empty).
+    rows = [0, 2, 0, 1, 0], [1, 4, 0, 2, 0], [2, 4, 0, 2, 0], [2, 4, 0, 3, 0]
+    lo, full_lo, full_hi, hi = (as_array(np.array([row], np.int32)) for row in rows)
+    ranges = mosaic_attention._over_key_tiles((lo, full_lo, full_hi, hi), 2)
+    assert all(isinstance(x, type(lo)) for x in ranges)
+    expected = [[0, 0, 1, 1, 0], [1, 4, 1, 2, 0], [2, 4, 1, 2, 0], [4, 4, 3, 3, 0]]
+    np.testing.assert_array_equal(np.stack([np.asarray(x)[0] for x in ranges]), expected)
+
+
+# Top-left causal: a program's key tiles loop over different query tiles (one of them
+# none), the program over their union (`_over_key_tiles`).
+CAUSAL_LENGTHS = masks.Causal() & masks.KVLengths(jnp.array([0, 150]))
+
+
 @pytest.mark.parametrize(
     "batch, kv_len, q_heads, block_k_dkv, key_tiles, num_stages, mask",
     [
@@ -135,14 +155,14 @@ def test_one_slot_rings(getkey):
         # tiles over programs of 4 (the last one short, its last tile padded).
         (1, 330, 2, 64, 4, 2, None),
         # GQA, causal, KV lengths: the steps stream on across key tiles; the example
-        # without keys stores zeros; tiles run over their program's union of ranges.
-        (2, 200, 4, 64, 3, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 150]))),
+        # without keys stores zeros.
+        (2, 200, 4, 64, 3, 2, CAUSAL_LENGTHS),
         # Key segment ids in the two slots beside K and V; a one-slot ring.
         (1, 260, 2, 64, 2, 1, "segments"),
         # Two compute warpgroups of 64 keys, each loading its own half of the next tile,
         # fed by the TMA warpgroup: resident with each warpgroup's key ids, and streamed.
         (1, 330, 2, 128, 2, 2, "segments"),
-        (2, 200, 4, 128, 2, 2, masks.Causal("bottom_right") & masks.KVLengths(jnp.array([0, 150]))),
+        (2, 200, 4, 128, 2, 2, CAUSAL_LENGTHS),
     ],
 )
 def test_dkv_programs_over_several_key_tiles(getkey, batch, kv_len, q_heads, block_k_dkv,

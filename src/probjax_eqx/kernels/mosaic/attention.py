@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -1476,28 +1477,20 @@ def _dkv_key_tiles(
     Each compute warpgroup (one, or two of 64 keys each) loads K, V (and the keys'
     segment ids) of its part of tile t + 1 into the other slot of `own_bufs` while tile t
     computes, once tile t - 1's dK/dV, staged there, have been read out by TMA. Every
-    tile loops over the union `[lo, hi)` of the program's query ranges (tiles outside its
-    own full range masked), so that each step's Q / dO tile is the same in every key
-    tile: where a key tile's steps fit the ring they load once (`resident`), otherwise
-    the ring streams them on across key tiles (`_fed`).
+    tile loops over the same query tiles (`_over_key_tiles`), so that each step's Q / dO
+    tile is the same in every key tile: where a key tile's steps fit the ring they load
+    once (`resident`), otherwise the ring streams them on across key tiles (`_fed`).
     """
     cfg, n = st.config, st.config.key_tiles_dkv
     bk, stages, members = cfg.block_k_dkv, cfg.num_stages, st.call.groups
     first = p * n
     here = jnp.minimum(n, key_tiles - first)  # the last program may be short
 
-    def tile_ranges(t):
+    def tile_ranges(t):  # every tile's [lo, hi) is the program's (`_over_key_tiles`)
         return tuple(ref[b, first + t] for ref in range_refs)
 
-    big = jnp.int32(2**30)
-    lo, hi = big, jnp.int32(0)
-    for t in range(n):
-        t_lo, _, _, t_hi = tile_ranges(jnp.minimum(t, here - 1))
-        some = t_hi > t_lo
-        lo = jnp.minimum(lo, jnp.where(some, t_lo, big))
-        hi = jnp.maximum(hi, jnp.where(some, t_hi, 0))
-    count = jnp.maximum(hi - lo, 0)
-    lo = jnp.minimum(lo, hi)
+    lo, _, _, hi = tile_ranges(0)
+    count = hi - lo
     per_tile = members * count  # a key tile's steps
     steps = here * per_tile
     resident = per_tile <= stages
@@ -1547,9 +1540,7 @@ def _dkv_key_tiles(
             k_tile, v_tile, *ids = (part(buf.at[slot]) for buf in own_bufs)
             tiles = (k_tile, v_tile, *(buf if buf is None else part(buf) for buf in staging))
             own = list(zip(kv_pos, ids))
-            _, t_flo, t_fhi, _ = tile_ranges(t)
-            full_lo = jnp.clip(t_flo, lo, hi)
-            ranges = (lo, full_lo, jnp.clip(t_fhi, full_lo, hi), hi)
+            ranges = tile_ranges(t)
 
             def accumulate(*accs):
                 def member(g, carry):
@@ -1581,6 +1572,32 @@ def _dkv_key_tiles(
         plgpu.wait_smem_to_gmem(0)
 
     _fed(ring, loads, views_at, slot_of, compute, cfg.backward_memory_registers, guarded=True)
+
+
+def _over_key_tiles(ranges, n: int):
+    """dK/dV ranges (`[batch, key tile]` arrays) for programs of n key tiles in turn.
+
+    Each tile's `[lo, hi)` becomes the union of its program's non-empty ranges, so that
+    every tile of a program steps through the same query tiles (`_dkv_key_tiles`); its
+    full range is clipped into it, the tiles it leaves out evaluating the mask. Numpy
+    ranges (unmasked calls) stay numpy constants.
+    """
+    xp = np if all(isinstance(x, np.ndarray) for x in ranges) else jnp
+    lo, full_lo, full_hi, hi = ranges
+    batch, tiles = lo.shape
+    pad = -(-tiles // n) * n - tiles
+    big = np.iinfo(np.int32).max
+
+    def per_program(x, fill, reduce):  # reduce over each program's tiles, for each tile
+        x = xp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(batch, -1, n)
+        return xp.repeat(reduce(x, axis=2), n, axis=1)[:, :tiles]
+
+    some = hi > lo
+    union_hi = per_program(xp.where(some, hi, 0), 0, xp.max)
+    union_lo = xp.minimum(per_program(xp.where(some, lo, big), big, xp.min), union_hi)
+    full_lo = xp.clip(full_lo, union_lo, union_hi)
+    full_hi = xp.clip(full_hi, full_lo, union_hi)
+    return tuple(x.astype(np.int32) for x in (union_lo, full_lo, full_hi, union_hi))
 
 
 def _key_tile_views(refs, id_refs, b, kv_h, keys, views: bool):
@@ -1831,6 +1848,8 @@ def kernels(q, k, v, *, mask, score_mod, scale: float, config: MosaicAttentionCo
         dq=(cfg.block_q_dq, cfg.block_k_dq),
         dkv=(cfg.block_k_dkv, cfg.block_q_dkv),
     )
+    if cfg.key_tiles_dkv > 1:
+        ranges = {**ranges, "dkv": _over_key_tiles(ranges["dkv"], cfg.key_tiles_dkv)}
 
     def interpreted(fn):
         """After a failed interpreted kernel the interpreter's state must be reset."""
