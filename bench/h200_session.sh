@@ -7,7 +7,8 @@
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
 # Not yet run: 84; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
-# feeds every Mosaic backward ring; 79 (now with torch SDPA's flash beside it: the H100's
+# feeds every Mosaic backward ring (and 8d2eab9 makes the key-tile programs' ranges outside
+# the kernel); 79 (now with torch SDPA's flash beside it: the H100's
 # flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows date from
 # 20 ms samples); 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
