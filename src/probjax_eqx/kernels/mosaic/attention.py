@@ -781,14 +781,18 @@ def _t_view(tile, views: bool):
     return tile.T if views else tile
 
 
-def _store(*outputs):
-    """Write `(value, smem, gmem)` outputs: stage each value in SMEM, copy them by TMA."""
+def _store(*outputs, wait: bool = True):
+    """Write `(value, smem, gmem)` outputs: stage each value in SMEM, copy them by TMA.
+
+    Without `wait` the copies may still be running: wait before reusing `smem`.
+    """
     for value, smem, _ in outputs:
         smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
     for _, smem, gmem in outputs:
         plgpu.copy_smem_to_gmem(smem, gmem)
-    plgpu.wait_smem_to_gmem(0)
+    if wait:
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _rows(x, shape):
@@ -1496,13 +1500,15 @@ def _dkv_key_tiles(
     resident = per_tile <= stages
     loads = jnp.where(resident, per_tile, steps)
 
-    def slot_of(n_):
-        return lax.rem(jnp.where(resident, lax.rem(n_, jnp.maximum(per_tile, 1)), n_), stages)
+    def within(n_):  # step n_'s place in its key tile
+        return lax.rem(n_, jnp.maximum(per_tile, 1))
 
-    def views_at(n_):  # step n_: member and query tile of its place in the key tile
-        within = lax.rem(n_, jnp.maximum(per_tile, 1))
+    def slot_of(n_):
+        return lax.rem(jnp.where(resident, within(n_), n_), stages)
+
+    def views_at(n_):  # step n_: the member and query tile of its place
         per_member = jnp.maximum(count, 1)
-        return views_of(lax.div(within, per_member), lo + lax.rem(within, per_member))
+        return views_of(lax.div(within(n_), per_member), lo + lax.rem(within(n_), per_member))
 
     n_own = len(own_bufs)
     batch_scalars = _scalar_values(st, op_refs, b, None, ("batch",))
@@ -1562,12 +1568,9 @@ def _dkv_key_tiles(
 
             accs = ACC((_WG_ROWS, st.d), jnp.float32), ACC((_WG_ROWS, st.dv), jnp.float32)
             dk, dv = pl.run_scoped(accumulate, *accs)
-            keys = pl.ds(key0, _WG_ROWS)
-            for value, smem in ((dk, k_tile), (dv, v_tile)):  # K and V are spent: stage there
-                smem[...] = value.astype(smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[b, keys, kv_h])
-            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[b, keys, kv_h])
+            keys = pl.ds(key0, _WG_ROWS)  # K and V are spent: dK and dV leave from there
+            _store((dk, k_tile, dk_ref.at[b, keys, kv_h]), (dv, v_tile, dv_ref.at[b, keys, kv_h]),
+                   wait=False)  # fmt: skip
 
         plgpu.wait_smem_to_gmem(0)
 
