@@ -1345,6 +1345,12 @@ def _own_part(wg):
     return (lambda buf: buf.at[wg]), (lambda n: 2 * n + wg)
 
 
+def _dkv_tiles(st: _Static) -> tuple[int, int]:
+    """The dK/dV kernel's key tiles and its programs (`key_tiles_dkv` tiles each)."""
+    key_tiles = st.kv_pad // st.config.block_k_dkv
+    return key_tiles, -(-key_tiles // st.config.key_tiles_dkv)
+
+
 def _dkv_kernel(*refs, st, rebuild):
     """One dK/dV program: `block_k_dkv` keys of a KV head against each query tile.
 
@@ -1388,8 +1394,7 @@ def _dkv_kernel(*refs, st, rebuild):
     kv_pos, q_pos = _positional(st, "kv_pos"), _positional(st, "q_pos")
     own_ids, step_ids = pos[: len(kv_pos)], pos[len(kv_pos) :]
     bq = cfg.block_q_dkv
-    key_tiles = st.kv_pad // cfg.block_k_dkv
-    programs = -(-key_tiles // cfg.key_tiles_dkv)
+    key_tiles, programs = _dkv_tiles(st)
     j, kv_h, b = _program(cfg, programs, st.call.kv_heads, st.call.batch, "k")
     groups = st.call.groups
     operands = (q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem)
@@ -1752,7 +1757,7 @@ def _backward(st: _Static, rebuild, q, k, v, o, lse, do, dq_ranges, dkv_ranges, 
         jax.ShapeDtypeStruct((batch, st.kv_pad, kv_heads, st.dv), dtype),
     )
     scratch = _dkv_scratch(cfg, st.d, st.dv, dtype, n_q_pos, n_kv_pos)
-    grid, grid_names = _grid(cfg, -(-st.kv_pad // (bk * cfg.key_tiles_dkv)), kv_heads, batch, "k")
+    grid, grid_names = _grid(cfg, _dkv_tiles(st)[1], kv_heads, batch, "k")
     num_threads, thread_name = (3, "wg") if wgs > 1 else (None, None)
     inputs = (q, t(q), k, v, do, t(do), lse, delta, *dkv_ranges, *operands)
     dkv_kernel = functools.partial(_dkv_kernel, st=st, rebuild=rebuild)
