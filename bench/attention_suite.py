@@ -16,7 +16,6 @@ import numpy as np
 from bench.harness import (
     GRAD_ATOL,
     attention_kernel,
-    cache_tensors,
     check_grads,
     classify,
     from_torch,
@@ -32,6 +31,7 @@ from bench.harness import (
     tokamax_peer,
     torch_attention,
     torch_copy,
+    torch_fwd_bwd,
     torch_operands,
 )
 from probjax_eqx import dot_product_attention, masks
@@ -193,10 +193,7 @@ def _time_torch(f, q, k, v, ct, causal, repeats, layers=1):
         with torch.no_grad():
             return call(qt, kts, vts)
 
-    def fwd_bwd():
-        for t in cache_tensors(qt, kts, vts):
-            t.grad = None
-        stacked(qt, kts, vts).backward(ctt)
+    fwd_bwd = functools.partial(torch_fwd_bwd, stacked, qt, kts, vts, ctt)
 
     out = from_torch(fwd(one, kt, vt)[:, :, :CHECK_ROWS])
     one(qt, kt, vt).backward(to_torch(rows_cotangent(ct.astype(q.dtype), CHECK_ROWS)))

@@ -37,6 +37,7 @@ from bench.harness import (
     tokamax_peer,
     torch_attention,
     torch_copy,
+    torch_fwd_bwd,
 )
 from probjax_eqx import dot_product_attention, masks
 from probjax_eqx.kernels.reference import attention as reference
@@ -157,11 +158,7 @@ def _time_torch(f, q, k, v, ct, lengths, repeats, train, layers):
         f(qt, kt, vt, lengths).backward(ctt)
         grads = tuple(from_torch(t.grad[:1]) for t in (qt, kt, vt))
 
-        def fwd_bwd():
-            for t in cache_tensors(qt, kts, vts):
-                t.grad = None
-            stacked(qt, kts, vts, lengths).backward(ctt)
-
+        fwd_bwd = functools.partial(torch_fwd_bwd, stacked, qt, kts, vts, ctt, lengths)
         bwd_ms = time_fn(fwd_bwd, sync, repeats=repeats) / layers
     torch.cuda.empty_cache()
     return out, fwd_ms, bwd_ms, grads

@@ -246,6 +246,14 @@ def cache_tensors(*caches) -> tuple:
     return tuple(t for c in caches for t in (c if isinstance(c, tuple) else (c,)))
 
 
+def torch_fwd_bwd(f: Callable, qt, kts, vts, ctt, *rest) -> None:
+    """One forward and backward of torch `f(qt, kts, vts, *rest)` (a `stack`'s), after
+    clearing the gradients of q and of every K/V cache."""
+    for t in cache_tensors(qt, kts, vts):
+        t.grad = None
+    f(qt, kts, vts, *rest).backward(ctt)
+
+
 def time_model_step(model, inputs: tuple, loss_of, repeats: int, *, input_grads=False):
     """`(first output row, forward ms, train step ms)` of `jax.vmap(model)(*inputs)`.
 

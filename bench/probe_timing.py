@@ -37,7 +37,6 @@ from bench.attention_suite import _jax_impls, _torch_impls
 from bench.harness import (
     RowWriter,
     attention_operands,
-    cache_tensors,
     device_info,
     fwd_bwd_program,
     layer_caches,
@@ -45,6 +44,7 @@ from bench.harness import (
     stack,
     time_fn,
     torch_copy,
+    torch_fwd_bwd,
     torch_operands,
     versions,
     warm_up_device,
@@ -132,12 +132,6 @@ def _torch_time(fn):
     return time_fn(fn, lambda _: torch.cuda.synchronize())
 
 
-def _torch_fwd_bwd(f, qt, kt, vt, ctt):
-    for t in cache_tensors(qt, kt, vt):
-        t.grad = None
-    f(qt, kt, vt).backward(ctt)
-
-
 def _harness_jax(f, q, k, v, ct, args):
     def loss(q, k, v, ct):
         return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
@@ -155,7 +149,7 @@ def _harness_torch(f, q, k, v, ct, args):
     out = {}
     for layout in ("contiguous", "view"):
         operands = torch_operands(q, k, v, ct, copy=layout == "contiguous")
-        out[layout] = _torch_time(functools.partial(_torch_fwd_bwd, f, *operands))
+        out[layout] = _torch_time(functools.partial(torch_fwd_bwd, f, *operands))
     return out
 
 
@@ -198,7 +192,7 @@ def _dispatch_torch(f, q, k, v, ct, args):
             out["fwd" + how + tag] = _torch_time(fwd) / calls
             if not args.forward_only:
                 out["fwd+bwd" + how + tag] = _torch_time(
-                    functools.partial(_torch_fwd_bwd, chained, qt, kts, vts, ctt)
+                    functools.partial(torch_fwd_bwd, chained, qt, kts, vts, ctt)
                 ) / calls  # fmt: skip
     return out
 
