@@ -85,7 +85,7 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 84}" in
+case "${1:?stage 1 to 85}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -976,6 +976,15 @@ case "${1:?stage 1 to 84}" in
       --config '{}' '{"fused_dq": false, "key_tiles_dkv": 16, "backward_memory_registers": 24,
       "block_k_dq": 128}' '{"fused_dq": false, "key_tiles_dkv": 4,
       "backward_memory_registers": 24, "block_k_dq": 128}'
+    ;;
+  85)
+    # The Mosaic backward's GPU tests alone (of stages 1 and 65) on the code since 36e65ac,
+    # then stage 83's suite row: every mask case, one-slot rings, key-tile programs, the
+    # automatic cross-attention configs, FA3's backward and fused dQ under vmap. 300 + 100 s.
+    gpu_tests 290 -k "mosaic_matches_oracle or one_slot or several_key_tiles or \
+cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_under_vmap"
+    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
+      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
