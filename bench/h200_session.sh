@@ -8,9 +8,10 @@
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
 # Not yet run: 84; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
 # feeds every Mosaic backward ring (and 8d2eab9 makes the key-tile programs' ranges outside
-# the kernel); 79 (now with torch SDPA's flash beside it: the H100's
-# flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows date from
-# 20 ms samples); 12's parts that runs 44-47 did not reach.
+# the kernel; run 162 ran 85, their Mosaic backward tests alone, cut at 20 of 30, all
+# passed, kv_lengths, segments and vmap's cases not reached); 79 (now with torch SDPA's
+# flash beside it: the H100's flash rows date from 20 ms samples too); 80 and 83 on an
+# H200 (its decode rows date from 20 ms samples); 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -32,7 +33,8 @@
 # the stages (command buffers off; CUPTI kernel times; sample length); runs 153-154 (H100)
 # ran 79 (153 at up to 1000 calls a sample, not merged), run 155 attention at T 4096;
 # runs 156-158 (H100) ran 81, 80 and 82, run 159 swept 82's configs further, run 160 ran
-# 83, run 161 the decode suite's train rows at batch 4 and 16 and over 32768 keys.
+# 83, run 161 the decode suite's train rows at batch 4 and 16 and over 32768 keys; run
+# 162 (H100) 85, cut at its tests' limit.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -980,8 +982,9 @@ case "${1:?stage 1 to 85}" in
   85)
     # The Mosaic backward's GPU tests alone (of stages 1 and 65) on the code since 36e65ac,
     # then stage 83's suite row: every mask case, one-slot rings, key-tile programs, the
-    # automatic cross-attention configs, FA3's backward and fused dQ under vmap. 300 + 100 s.
-    gpu_tests 290 -k "mosaic_matches_oracle or one_slot or several_key_tiles or \
+    # automatic cross-attention configs, FA3's backward and fused dQ under vmap. Run 162
+    # passed 20 of the 30 in 290 s. 440 + 100 s.
+    gpu_tests 440 -k "mosaic_matches_oracle or one_slot or several_key_tiles or \
 cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_under_vmap"
     suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
       kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
