@@ -87,6 +87,12 @@ attention_causal_16k() {  # our default at T 16384 hd 64 causal beside both cuDN
     --set causal=True dtype=bfloat16 head_dim=64 \
     --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
 }
+# Training over a KV cache's shape, batch 8 MHA, 128 queries over 8192 keys (stage 81 on):
+# our default beside both cuDNN routes, into $OUT/decode_train.json. 100 s.
+mha_train_row() {
+  suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
+    kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+}
 case "${1:?stage 1 to 85}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
@@ -936,8 +942,7 @@ case "${1:?stage 1 to 85}" in
       '{"block_k_dq": 128}' \
       '{"block_k_dkv": 128, "fused_dq": true}'
     gpu_tests 60 -k several_key_tiles
-    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
-      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    mha_train_row
     ;;
   82)
     # Stage 81's shape (H100 run 156: 64-key programs over 16 key tiles, one an SM, 1.711
@@ -957,8 +962,7 @@ case "${1:?stage 1 to 85}" in
   83)
     # The default after runs 156-159 (dQ's own kernel beside 128-key dK/dV programs over
     # 16 key tiles): stage 81's suite row, the auto-selection GPU tests. 100 + 120 s.
-    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
-      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    mha_train_row
     gpu_tests 110 -k "cross_attention_to_mosaic or several_key_tiles"
     ;;
   84)
@@ -986,8 +990,7 @@ case "${1:?stage 1 to 85}" in
     # passed 20 of the 30 in 290 s. 440 + 100 s.
     gpu_tests 440 -k "mosaic_matches_oracle or one_slot or several_key_tiles or \
 cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_under_vmap"
-    suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
-      kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    mha_train_row
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
