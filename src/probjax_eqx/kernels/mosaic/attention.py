@@ -1258,6 +1258,15 @@ class _Ring:
             plgpu.barrier_wait(self.bars.at[k * self.stages + slot])
 
 
+def _step_views(views_of, lo, count, n):
+    """Step n's operands, `views_of(member, tile)`, in a program over tiles lo + [0, count).
+
+    It takes each member's tiles in turn: member n // count, tile lo + n % count.
+    """
+    per_member = jnp.maximum(count, 1)
+    return views_of(lax.div(n, per_member), lo + lax.rem(n, per_member))
+
+
 def _backward_program(
     ring: _Ring, ranges, views_of, compute, memory_registers: int, members: int = 1
 ):
@@ -1275,9 +1284,8 @@ def _backward_program(
     count = ranges[3] - lo
     steps = members * count
 
-    def views_at(n):  # step n of the program: member n // count, tile lo + n % count
-        per_member = jnp.maximum(count, 1)
-        return views_of(lax.div(n, per_member), lo + lax.rem(n, per_member))
+    def views_at(n):
+        return _step_views(views_of, lo, count, n)
 
     def loop_with(before, after):
         def loop(step):
@@ -1511,9 +1519,8 @@ def _dkv_key_tiles(
     def slot_of(n_):
         return lax.rem(jnp.where(resident, within(n_), n_), stages)
 
-    def views_at(n_):  # step n_: the member and query tile of its place
-        per_member = jnp.maximum(count, 1)
-        return views_of(lax.div(within(n_), per_member), lo + lax.rem(within(n_), per_member))
+    def views_at(n_):  # step n_: those of its place in its key tile
+        return _step_views(views_of, lo, count, within(n_))
 
     n_own = len(own_bufs)
     batch_scalars = _scalar_values(st, op_refs, b, None, ("batch",))
