@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 84; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
+# Not yet run: 84, 86 and 87; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
 # feeds every Mosaic backward ring (and 8d2eab9 makes the key-tile programs' ranges outside
 # the kernel; run 162 ran 85, their Mosaic backward tests alone, cut at 20 of 30, all
 # passed, kv_lengths, segments and vmap's cases not reached); 79 (now with torch SDPA's
@@ -93,7 +93,7 @@ mha_train_row() {
   suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
     kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 85}" in
+case "${1:?stage 1 to 87}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -991,6 +991,14 @@ case "${1:?stage 1 to 85}" in
     gpu_tests 440 -k "mosaic_matches_oracle or one_slot or several_key_tiles or \
 cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_under_vmap"
     mha_train_row
+    ;;
+  86 | 87)
+    # T 16384 at 100 ms samples (its rows date from run 100's 20 ms samples, before the
+    # Mosaic backward's FA3 register mode): our default beside both cuDNN routes, causal
+    # and not, hd 128 (86) or 64 (87). 420 s.
+    dim=$([ "$1" = 86 ] && echo 128 || echo 64)
+    suite 420 "attention_16384_hd$dim" --suite attention --seq 16384 --set head_dim=$dim \
+      dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
