@@ -6,12 +6,11 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 84, 86 and 87; 1 and 65 (attention's GPU tests) on the code since 36e65ac, whose `_fed`
-# feeds every Mosaic backward ring (and 8d2eab9 makes the key-tile programs' ranges outside
-# the kernel; run 162 ran 85, their Mosaic backward tests alone, cut at 20 of 30, all
-# passed, kv_lengths, segments and vmap's cases not reached); 79 (now with torch SDPA's
-# flash beside it: the H100's flash rows date from 20 ms samples too); 80 and 83 on an
-# H200 (its decode rows date from 20 ms samples); 12's parts that runs 44-47 did not reach.
+# Not yet run: 84's GQA half; 1 and 65 (attention's GPU tests) on the code since 36e65ac,
+# whose `_fed` feeds every Mosaic backward ring (run 163 ran 85, their Mosaic backward
+# tests alone: all 30 passed on 2211914); 79 (now with torch SDPA's flash beside it: the
+# H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
+# date from 20 ms samples); 12's parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
@@ -34,7 +33,8 @@
 # ran 79 (153 at up to 1000 calls a sample, not merged), run 155 attention at T 4096;
 # runs 156-158 (H100) ran 81, 80 and 82, run 159 swept 82's configs further, run 160 ran
 # 83, run 161 the decode suite's train rows at batch 4 and 16 and over 32768 keys; run
-# 162 (H100) 85, cut at its tests' limit.
+# 162 (H100) 85, cut at its tests' limit; runs 163-165 (H100) 85, 86 and 87, run 166 Mosaic
+# at T 16384 causal hd 128 (suite row and backward configs), run 167 84's first sweep.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -967,15 +967,9 @@ case "${1:?stage 1 to 87}" in
     ;;
   84)
     # Key-tile dK/dV programs beyond runs 156-161's MHA shapes (fwd+bwd, 128 queries):
-    # over 32768 keys, batch 8 MHA, the default 5.93 ms against torch SDPA cuDNN's 5.53
-    # (run 161): more key tiles a program, and fused dQ; 32 heads over 8, batch 8 over
-    # 8192 keys, whose default fuses dQ (1.19 ms, torch 1.74): dQ's own kernel beside key
-    # tiles instead. 250 + 200 s.
-    step 250 sweep_mosaic_kv_tiles_long python3 -m bench.sweep_attention \
-      --out "$out/sweep_mosaic_kv_tiles_long.json" --implementation mosaic --seq 128 \
-      --kv-seq 32768 --batch 8 --heads 32 --head-dim 128 --causal 0 --part bwd --config \
-      '{}' '{"key_tiles_dkv": 32}' '{"key_tiles_dkv": 64}' \
-      '{"key_tiles_dkv": 1, "fused_dq": true, "backward_memory_registers": 40}'
+    # 32 heads over 8, batch 8 over 8192 keys, whose default fuses dQ (1.19 ms, torch
+    # 1.74): dQ's own kernel beside key tiles instead. (Run 167, batch 8 MHA over 32768
+    # keys: 16 / 32 / 64 key tiles a program 5.897 / 5.891 / 5.916 ms, no gain.) 200 s.
     step 200 sweep_mosaic_kv_tiles_gqa python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_kv_tiles_gqa.json" --implementation mosaic --seq 128 \
       --kv-seq 8192 --batch 8 --heads 32 --kv-heads 8 --head-dim 128 --causal 0 --part bwd \
