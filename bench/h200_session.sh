@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 84's GQA half; 1 and 65 (attention's GPU tests) on the code since 36e65ac,
+# Not yet run: 88; 84's GQA half; 1 and 65 (attention's GPU tests) on the code since 36e65ac,
 # whose `_fed` feeds every Mosaic backward ring (run 163 ran 85, their Mosaic backward
 # tests alone: all 30 passed on 2211914); 79 (now with torch SDPA's flash beside it: the
 # H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
@@ -93,7 +93,7 @@ mha_train_row() {
   suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
     kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 87}" in
+case "${1:?stage 1 to 88}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -993,6 +993,16 @@ cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_unde
     dim=$([ "$1" = 86 ] && echo 128 || echo 64)
     suite 420 "attention_16384_hd$dim" --suite attention --seq 16384 --set head_dim=$dim \
       dtype=bfloat16 --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  88)
+    # Long self-attention at hd 128: automatic selection joins our Mosaic forward to
+    # cuDNN's backward (`cudnn_backward`; runs 164-166, T 16384: our forward 3.53 ms
+    # causal against cuDNN's 3.84, cuDNN's backward the faster). Its GPU tests, then
+    # the rows at T 16384, the join beside our Mosaic kernels alone and both cuDNN
+    # routes. 130 + 150 s.
+    gpu_tests 120 -k "joined_to_cudnn_backward or auto_picks_cudnn_on_sm90"
+    suite 150 attention_16384_joined --suite attention --seq 16384 --set head_dim=128 \
+      dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

@@ -307,14 +307,21 @@ def record(row: dict, out, expected, fwd_ms: float, fwd_bwd_ms: float, *, atol: 
 
 def attention_kernel(row: dict, q, k, v, mask) -> None:
     """Name in `row` the kernel that our attention (`row["implementation"]` "probjax
-    auto", ...) runs on these operands (`explain_attention`: auto's choice), for the
-    report to show beside it; a peer's row is left as it is."""
+    auto", ...) runs on these operands (`explain_attention`: auto's choice), and the
+    family of a half its config joins to it, for the report to show beside it; a peer's
+    row is left as it is."""
     from probjax_eqx import explain_attention
 
     name = row["implementation"]
     if name.startswith("probjax "):
         implementation = name.removeprefix("probjax ")
-        row["kernel"] = explain_attention(q, k, v, mask=mask, implementation=implementation).kernel
+        choice = explain_attention(q, k, v, mask=mask, implementation=implementation)
+        kernel = choice.kernel
+        if getattr(choice.config, "split_kv_forward", None) is not None:
+            kernel = f"triton fwd + {kernel} bwd"
+        if getattr(choice.config, "cudnn_backward", False):
+            kernel = f"{kernel} fwd + cudnn bwd"
+        row["kernel"] = kernel
 
 
 def select_grid(full: dict, quick_grid: dict, *, quick: bool, seq_key: str, seqs=None,

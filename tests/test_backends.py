@@ -57,15 +57,17 @@ def test_auto_on_sm90_prefers_cudnn_and_records_rejections():
     choice = explain_attention(*shapes(), implementation=backend)
     assert choice.kernel == "cudnn" and choice.rejected == ()
     assert "'sm_90' priority list" in choice.reason
-    # Causal masks below T 16384: Mosaic first (H100 run 82), cuDNN from T 16384 on but
-    # for heads of <= 64 dims (run 83).
+    # Causal masks below T 16384: Mosaic first (H100 run 82); from T 16384 on Mosaic's
+    # forward with its backward at heads of <= 64 dims (run 83), with cuDNN's at 128
+    # (runs 164-166).
     choice = explain_attention(*shapes(), mask=masks.Causal(), implementation=backend)
     assert choice.kernel == "mosaic" and "'sm_90:causal' priority list" in choice.reason
-    for d, kernel in ((128, "cudnn"), (64, "mosaic")):
+    for d, entry, joined in ((128, "long", True), (64, "causal", False)):
         long = explain_attention(
             *shapes(lq=16384, lkv=16384, d=d), mask=masks.Causal(), implementation=backend
         )
-        assert long.kernel == kernel, d
+        assert long.kernel == "mosaic" and f"'sm_90:{entry}' priority list" in long.reason, d
+        assert long.config.cudnn_backward == joined, d
 
     # Grouped query heads without a mask, up to 1024 queries over >= 4096 keys at hd 64
     # or 128: Mosaic sums dK/dV over each group in its kernel (H100 runs 103, 114, 115);

@@ -438,6 +438,41 @@ def test_mosaic_fused_dq_under_vmap_on_gpu(getkey, num_stages):
     check_against_oracle(f, q, k, v, ct, mask=mask)
 
 
+@pytest.mark.parametrize(
+    "mask, q_len, kv_len, kv_heads, vmapped",
+    [(None, 1000, 1000, 4, False), (masks.Causal(), 1000, 1000, 4, True),
+     (masks.Causal(), 300, 700, 2, False)],
+    ids=["none", "causal_vmapped", "causal_gqa_lq_lt_lkv"],
+)  # fmt: skip
+def test_mosaic_forward_joined_to_cudnn_backward_on_gpu(
+    getkey, mask, q_len, kv_len, kv_heads, vmapped
+):
+    """`cudnn_backward` (automatic selection's join for long self-attention at hd 128):
+    the Mosaic forward's output and log-sum-exp, then cuDNN's backward, exact; under
+    vmap (each example a batch of one, folded into one call), GQA and top-left causal
+    over more keys than queries."""
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        pytest.skip("not an sm_90 device")
+    q, k, v = make_qkv(getkey(), batch=2, q_len=q_len, kv_len=kv_len, q_heads=4,
+                       kv_heads=kv_heads, qk_dim=128, dtype=jnp.bfloat16)  # fmt: skip
+    config = explain_attention(q, k, v, mask=mask, implementation="mosaic").config
+    config = dataclasses.replace(config, cudnn_backward=True)
+
+    def f(q, k, v):
+        return dot_product_attention(q, k, v, mask=mask, implementation="mosaic", config=config)
+
+    if vmapped:
+        batched = f
+        f = lambda q, k, v: jax.vmap(batched)(q[:, None], k[:, None], v[:, None])[:, 0]  # noqa: E731
+    ct = jax.random.normal(getkey(), q.shape)
+    check_against_oracle(f, q, k, v, ct, mask=mask)
+    grad = jax.grad(lambda q: f(q, k, v).astype(jnp.float32).sum())
+    assert "dot_product_attention_bwd" in str(jax.make_jaxpr(grad)(q))
+    long = jnp.zeros((1, 16384, 1, 128), jnp.bfloat16)
+    choice = explain_attention(long, long, long, mask=mask)
+    assert (choice.kernel, choice.config.cudnn_backward) == ("mosaic", True)
+
+
 @pytest.mark.parametrize("schedule", ["default", "fa3_operands", "fa3", "fa3_approx_math"])
 def test_mosaic_softcap_on_gpu(getkey, schedule):
     """SoftCap inside the Mosaic kernels (tanh and its derivative), beside a causal mask."""

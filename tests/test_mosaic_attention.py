@@ -312,6 +312,34 @@ def test_split_kv_forward_joined_to_the_mosaic_backward(getkey):
         check(q, k, v, ct, masks.Causal(), config=config)
 
 
+def test_cudnn_backward_joined_to_the_mosaic_forward_traces(getkey):
+    """`cudnn_backward`: the Mosaic forward (interpreted here), then cuDNN's backward given
+    its output and log-sum-exp. The CPU runs no cuDNN: this checks what is traced (the
+    gradients' shapes and dtypes, which kernels run where); the GPU test runs it."""
+    q, k, v = make_qkv(
+        getkey(), batch=1, q_len=100, kv_len=100, q_heads=2, kv_heads=1, dtype=jnp.bfloat16
+    )
+    config = dataclasses.replace(CFG, cudnn_backward=True)
+
+    def attend(q, k, v):
+        return mosaic_attention.flash_attention(
+            q, k, v, mask=masks.Causal(), score_mod=None, scale=0.25, config=config
+        )
+
+    grad = jax.grad(lambda *qkv: attend(*qkv).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for g, x in zip(jax.eval_shape(grad, q, k, v), (q, k, v)):
+        assert (g.shape, g.dtype) == (x.shape, x.dtype)
+    assert "dot_product_attention_bwd" in str(jax.make_jaxpr(grad)(q, k, v))
+    assert "dot_product_attention" not in str(jax.make_jaxpr(attend)(q, k, v))
+    with pytest.raises(UnsupportedError, match="cudnn_backward's cuDNN backward: runs on"):
+        flex_attention(q, k, v, implementation="mosaic", config=config)
+    with pytest.raises(UnsupportedError, match="no other masks or score mods"):
+        window = masks.causal_local_window(8)
+        flex_attention(q, k, v, mask=window, implementation="mosaic", config=config)
+    with pytest.raises(ValueError, match="would leave no half to these kernels"):
+        dataclasses.replace(config, split_kv_forward=TritonAttentionConfig(interpret=True))
+
+
 def test_refusals_name_the_reason(getkey):
     q, k, v = make_qkv(getkey(), dtype=jnp.bfloat16)
     mask_fn = masks.MaskFn(lambda b, h, q, kv: (q + kv) % 2 == 0)
@@ -490,3 +518,28 @@ def test_default_tiles_step_down_where_shared_memory_is_short(getkey):
     with pytest.raises(UnsupportedError, match="shared memory"):
         dot_product_attention(q, k, v, mask=masks.Segments(ids[:, :64]), implementation="mosaic",
                               config=big)  # fmt: skip
+
+
+def test_auto_joins_cudnn_backward_for_long_self_attention():
+    """Self-attention over >= 16384 keys at hd 128, unmasked or causal: Mosaic's forward
+    with cuDNN's backward, in automatic selection (H100 runs 94, 164-166); "mosaic" by
+    name runs its own backward, and other calls keep their routes."""
+    from probjax_eqx.attention_call import AttentionCall
+    from probjax_eqx.backends import DeviceInfo, resolve
+
+    h100 = DeviceInfo("gpu", "NVIDIA H100 80GB HBM3", "sm_90")
+
+    def choice(seq, head_dim=128, mask=None, kv_heads=8, implementation="auto"):
+        q, kv = (4, seq, 8, head_dim), (4, seq, kv_heads, head_dim)
+        call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
+        choice = resolve("attention", implementation, device=h100, environ={}).select(call)
+        return choice.kernel, getattr(choice.config, "cudnn_backward", None)
+
+    assert choice(16384) == ("mosaic", True)
+    assert choice(16384, mask=masks.Causal()) == ("mosaic", True)
+    assert choice(16384, implementation="mosaic") == ("mosaic", False)
+    assert choice(4096) == ("cudnn", None)  # cuDNN's own forward is as fast there
+    assert choice(16384, head_dim=64) == ("cudnn", None)  # Mosaic's hd 64 forward is not
+    assert choice(16384, head_dim=64, mask=masks.Causal()) == ("mosaic", False)
+    assert choice(16384, kv_heads=2) == ("cudnn", None)  # GQA: not timed
+    assert choice(16384, mask=masks.causal_local_window(256)) == ("cudnn", None)

@@ -37,7 +37,7 @@ from probjax_eqx.backends import (
 )
 from probjax_eqx.biases import AbstractBias, AbstractScoreMod, DenseBias, ScoreFn
 from probjax_eqx.kernels.cudnn.attention import CudnnAttention
-from probjax_eqx.kernels.mosaic.attention import MosaicAttention
+from probjax_eqx.kernels.mosaic.attention import MosaicAttention, cudnn_backward_pays
 from probjax_eqx.kernels.reference.attention import XlaAttention, XlaAttentionConfig
 from probjax_eqx.kernels.triton.attention import TritonAttention
 from probjax_eqx.masks import AbstractMask, Causal, DenseMask, KVLengths, MaskFn, check_arrays
@@ -125,6 +125,10 @@ def _mosaic_causal(call) -> bool:  # a plain causal mask, as timed (no windows, 
 
 
 register_regime("attention", "causal", _mosaic_causal)
+
+# Long self-attention at hd 128, unmasked or causal: our Mosaic forward joined to cuDNN's
+# backward (`mosaic.attention.cudnn_backward_pays` has the timings).
+register_regime("attention", "long", cudnn_backward_pays)
 
 # Few query tiles over long keys without a mask (cross-attention): our Mosaic kernels.
 # Grouped query heads (GQA) up to 1024 queries: cuDNN's backward writes dK and dV per

@@ -18,6 +18,7 @@ Registry rules (in priority order, first supported wins):
 | attention, KV/Q lengths | triton, mosaic, xla | triton, xla |
 | attention, score mods | mosaic, triton, xla  | triton, xla                 |
 | attention, causal below T 16384, or hd <= 64 | mosaic, cudnn, triton, xla | triton, xla |
+| attention, long self-attention at hd 128 | mosaic + cuDNN bwd, cudnn, triton, xla | triton, xla |
 | attention, few query tiles over long KV, no mask | mosaic, cudnn, triton, xla | triton, xla |
 | grouped_matmul | triton, mosaic, xla         | triton, xla                 |
 | selective_scan | triton, scan                | triton, scan                |
@@ -71,6 +72,9 @@ DEVICE_DEFAULTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
         # (attention.CAUSAL_MOSAIC_MAX_LEN): Mosaic trains faster than cuDNN there (H100
         # run 82: T 4096 hd 128 1.138 vs 1.202 ms; run 83: T 16384 hd 64 8.66 vs 8.85).
         "sm_90:causal": ("mosaic", "cudnn", "triton", "xla"),
+        # Self-attention over >= 16384 keys at hd 128, unmasked or causal
+        # (mosaic.attention.cudnn_backward_pays): Mosaic's forward, cuDNN's backward.
+        "sm_90:long": ("mosaic", "cudnn", "triton", "xla"),
         # Few query tiles over >= 4096 keys without a mask (attention.CROSS_MOSAIC_*):
         # grouped query heads up to 1024 queries, where Mosaic sums dK/dV over each group in
         # its kernel and cuDNN in a pass of its own (H100 run 103: 128 queries over 8192

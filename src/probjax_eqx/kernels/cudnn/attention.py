@@ -5,7 +5,8 @@ call only when the menu can state our mask exactly: any `&` of at most one each 
 top-left `Causal`, a left `LocalWindow` (on square calls), `KVLengths` and `QLengths`.
 
 Automatic selection on sm_90 sends calls with lengths elsewhere (`attention.PADDING_TERMS`
-says why); pinned by name, cuDNN still takes them.
+says why); pinned by name, cuDNN still takes them. `CudnnBackward` is cuDNN's backward
+alone, joined to another kernel's forward (the Mosaic config's `cudnn_backward`).
 """
 
 import dataclasses
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
+from probjax_eqx.kernels._flash import LN2
+from probjax_eqx.kernels.cudnn._compat import flash_backward
 from probjax_eqx.masks import Causal, KVLengths, LocalWindow, QLengths, conjuncts
 
 
@@ -111,3 +114,22 @@ class CudnnAttention:
         if kv_lengths is not None:
             empty = empty | (kv_lengths[:, None] <= 0)
         return jnp.where(empty[:, :, None, None], jnp.zeros((), out.dtype), out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnBackward:
+    """cuDNN's flash backward as the backward half of `_flash.attend`.
+
+    Given another kernel family's forward: its output and its rows' base-2 log-sum-exp
+    (`FlashKernels.forward_rows`), which cuDNN reads as natural-log softmax statistics.
+    For masks without arrays: none, or a causal mask cuDNN states exactly.
+    """
+
+    scale: float
+    causal: bool
+
+    def backward_rows(self, q, k, v, o, lse, do):
+        stats = (lse * LN2).astype(jnp.float32)
+        dq, dk, dv = flash_backward(q, k, v, o.astype(q.dtype), stats, do.astype(q.dtype),
+                                    scale=self.scale, causal=self.causal)  # fmt: skip
+        return dq, dk, dv, ()  # the mask has no arrays

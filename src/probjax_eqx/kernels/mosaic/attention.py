@@ -53,6 +53,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax_eqx.attention_call import AttentionCall, AttentionCapabilities
 from probjax_eqx.backends import DeviceInfo
 from probjax_eqx.kernels import _flash, _tiles
+from probjax_eqx.kernels.cudnn._compat import BACKWARD_UNAVAILABLE as CUDNN_BACKWARD_UNAVAILABLE
+from probjax_eqx.kernels.cudnn.attention import CudnnAttention, CudnnBackward
 from probjax_eqx.kernels.mosaic._common import (
     MEMORY_REGISTERS,
     SMEM_LIMIT,
@@ -77,7 +79,7 @@ from probjax_eqx.kernels.triton.attention import (
     TritonAttentionConfig,
     split_rule,
 )
-from probjax_eqx.masks import MaskContext
+from probjax_eqx.masks import Causal, MaskContext, conjuncts
 
 LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # wgmma's M per warpgroup; 128-byte swizzle rows are 64 16-bit elements
@@ -192,6 +194,13 @@ class MosaicAttentionConfig:
             score mods only. Automatic selection (`auto_config`) sets it on the GPU where
             this forward's grid fills at most one wave and the Triton plan splits
             (`_split_kv_forward`); `implementation="mosaic"` by name leaves it None.
+        cudnn_backward: the forward from these kernels, the backward from cuDNN's
+            (`CudnnBackward`), joined by the forward's output and log-sum-exp. Unmasked
+            or causal calls without score mods that cuDNN computes
+            (`_cudnn_backward_rule`). Automatic selection (`auto_config`) sets it for
+            long self-attention at hd 128, where our forward and cuDNN's backward are
+            each the fastest (`cudnn_backward_pays`); `implementation="mosaic"` by name
+            leaves it False.
         interpret: run under the Mosaic GPU interpreter (CPU tests).
     """
 
@@ -214,6 +223,7 @@ class MosaicAttentionConfig:
     launch_group: int | None = None
     approx_math: bool = False
     split_kv_forward: TritonAttentionConfig | None = None
+    cudnn_backward: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -231,6 +241,10 @@ class MosaicAttentionConfig:
             raise ValueError(
                 "fused_dq needs block_k_dkv=128: the dK/dV program's two compute "
                 "warpgroups split dQ's products"
+            )
+        if self.split_kv_forward is not None and self.cudnn_backward:
+            raise ValueError(
+                "split_kv_forward and cudnn_backward would leave no half to these kernels"
             )
         if self.key_tiles_dkv < 1:
             raise ValueError(f"key_tiles_dkv={self.key_tiles_dkv} must be >= 1")
@@ -579,14 +593,50 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     return cfg
 
 
-def auto_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
-    """What automatic selection runs: `default_config`, joined to the split-KV forward.
+def _cudnn_backward_rule(call: AttentionCall, device: DeviceInfo) -> str | None:
+    """Why a `cudnn_backward` config cannot run `call`, or None."""
+    if CUDNN_BACKWARD_UNAVAILABLE is not None:
+        return f"cudnn_backward: {CUDNN_BACKWARD_UNAVAILABLE}"
+    if call.score_mod is not None or any(term[0] != "causal" for term in call.mask_terms):
+        return (
+            "cudnn_backward joins cuDNN's backward by the log-sum-exp of an unmasked or "
+            "causal call: no other masks or score mods"
+        )
+    why = CudnnAttention().check(call, device)
+    return None if why is None else f"cudnn_backward's cuDNN backward: {why}"
 
-    The Triton forward joins where this forward's grid is short (`_split_kv_forward`).
-    By name, "mosaic" runs its own kernels (`default_config`).
+
+# Long self-attention at hd 128: our forward is faster than cuDNN's, cuDNN's backward
+# than ours. H100, B4 H8 T 16384 bf16, fwd / fwd+bwd ms (Mosaic / our cuDNN route / torch
+# SDPA cuDNN): non-causal (run 94) 6.68 / 29.65, 7.02 / 27.31, 6.97 / 27.36; causal (runs
+# 164 and 166) 3.53 / 15.35, 3.84 / 14.89, 3.80-3.89 / 14.42-14.74.
+CUDNN_BACKWARD_MIN_LEN = 16384
+CUDNN_BACKWARD_HEAD_DIM = 128
+
+
+def cudnn_backward_pays(call: AttentionCall) -> bool:
+    """Whether automatic selection joins our forward to cuDNN's backward: as timed."""
+    timed = (
+        call.q_len == call.kv_len >= CUDNN_BACKWARD_MIN_LEN
+        and call.groups == 1
+        and call.qk_dim == call.v_dim == CUDNN_BACKWARD_HEAD_DIM
+    )
+    plain = call.score_mod is None and all(term[0] == "causal" for term in call.mask_terms)
+    return timed and plain and CUDNN_BACKWARD_UNAVAILABLE is None
+
+
+def auto_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
+    """What automatic selection runs: `default_config`, joined to another family's half.
+
+    The split-KV Triton forward joins where this forward's grid is short
+    (`_split_kv_forward`), cuDNN's backward for long self-attention at hd 128
+    (`cudnn_backward_pays`). By name, "mosaic" runs its own kernels (`default_config`).
     """
+    split_kv = _split_kv_forward(call, device)
+    cudnn = split_kv is None and device.is_gpu and cudnn_backward_pays(call)
+    cudnn = cudnn and _cudnn_backward_rule(call, device) is None
     return dataclasses.replace(
-        default_config(call, device), split_kv_forward=_split_kv_forward(call, device)
+        default_config(call, device), split_kv_forward=split_kv, cudnn_backward=cudnn
     )
 
 
@@ -1810,7 +1860,8 @@ def flash_attention(
 
     `plan(q, k, v, mask, score_mod) -> config`: the config at other shapes (a batch that
     `vmap` folds in, `_flash.attend`); without it, `config` at every shape. A config's
-    `split_kv_forward` (unmasked calls, `_split_kv_rule`) runs the forward half.
+    `split_kv_forward` (unmasked calls, `_split_kv_rule`) runs the forward half, its
+    `cudnn_backward` (`_cudnn_backward_rule`) the backward half.
     """
 
     def planned(q, k, v, mask, score_mod) -> MosaicAttentionConfig:
@@ -1825,6 +1876,8 @@ def flash_attention(
 
     def backward(q, k, v, mask, score_mod):
         cfg = dataclasses.replace(planned(q, k, v, mask, score_mod), split_kv_forward=None)
+        if cfg.cudnn_backward:
+            return CudnnBackward(scale, any(isinstance(t, Causal) for t in conjuncts(mask)))
         return kernels(q, k, v, mask=mask, score_mod=score_mod, scale=scale, config=cfg)
 
     return _flash.run_call(forward, backward, q, k, v, mask, score_mod)
@@ -1953,6 +2006,8 @@ class MosaicAttention:
             why = smem_refusal(_smem_need(call, config))
         if why is None and config is not None and config.split_kv_forward is not None:
             why = _split_kv_rule(call, device, config.split_kv_forward)
+        if why is None and config is not None and config.cudnn_backward:
+            why = _cudnn_backward_rule(call, device)
         return why
 
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
