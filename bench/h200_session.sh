@@ -6,7 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 88; 84's GQA half; 1 and 65 (attention's GPU tests) on the code since 36e65ac,
+# Not yet run: 1 and 65 (attention's GPU tests) on the code since 36e65ac,
 # whose `_fed` feeds every Mosaic backward ring (run 163 ran 85, their Mosaic backward
 # tests alone: all 30 passed on 2211914); 79 (now with torch SDPA's flash beside it: the
 # H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
@@ -34,7 +34,8 @@
 # runs 156-158 (H100) ran 81, 80 and 82, run 159 swept 82's configs further, run 160 ran
 # 83, run 161 the decode suite's train rows at batch 4 and 16 and over 32768 keys; run
 # 162 (H100) 85, cut at its tests' limit; runs 163-165 (H100) 85, 86 and 87, run 166 Mosaic
-# at T 16384 causal hd 128 (suite row and backward configs), run 167 84's first sweep.
+# at T 16384 causal hd 128 (suite row and backward configs), run 167 84's first sweep; run
+# 168 (H100) 88, run 169 the join's rows at T 32768 and 84.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
@@ -970,6 +971,7 @@ case "${1:?stage 1 to 88}" in
     # 32 heads over 8, batch 8 over 8192 keys, whose default fuses dQ (1.19 ms, torch
     # 1.74): dQ's own kernel beside key tiles instead. (Run 167, batch 8 MHA over 32768
     # keys: 16 / 32 / 64 key tiles a program 5.897 / 5.891 / 5.916 ms, no gain.) 200 s.
+    # Run 169: fused 1.204 ms, own dQ beside 16 / 4 key tiles 1.191 / 1.194 (within 1%).
     step 200 sweep_mosaic_kv_tiles_gqa python3 -m bench.sweep_attention \
       --out "$out/sweep_mosaic_kv_tiles_gqa.json" --implementation mosaic --seq 128 \
       --kv-seq 8192 --batch 8 --heads 32 --kv-heads 8 --head-dim 128 --causal 0 --part bwd \

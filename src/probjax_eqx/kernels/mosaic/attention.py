@@ -607,9 +607,12 @@ def _cudnn_backward_rule(call: AttentionCall, device: DeviceInfo) -> str | None:
 
 
 # Long self-attention at hd 128: our forward is faster than cuDNN's, cuDNN's backward
-# than ours. H100, B4 H8 T 16384 bf16, fwd / fwd+bwd ms (Mosaic / our cuDNN route / torch
-# SDPA cuDNN): non-causal (run 94) 6.68 / 29.65, 7.02 / 27.31, 6.97 / 27.36; causal (runs
-# 164 and 166) 3.53 / 15.35, 3.84 / 14.89, 3.80-3.89 / 14.42-14.74.
+# than ours. H100, B4 H8 bf16, fwd / fwd+bwd ms (the join / Mosaic alone / JAX's cuDNN
+# route / torch SDPA cuDNN), run 168: T 16384 6.89 / 27.71, 6.91 / 30.90, 7.19 / 27.89,
+# 7.08 / 27.59; causal 3.47 / 14.26, 3.48 / 15.49, 3.79 / 14.73, 3.86 / 14.60. Run 169, T
+# 32768 (no Mosaic alone): 26.85 / 107.7, -, 28.21 / 110.0, 28.00 / 109.4; causal 13.65 /
+# 56.16, -, 14.74 / 57.32, 14.43 / 55.78. At T 4096 the forwards tie (run 93: 0.470 /
+# 0.482 ms) and at hd 64 Mosaic's is the slower (run 54): no join there.
 CUDNN_BACKWARD_MIN_LEN = 16384
 CUDNN_BACKWARD_HEAD_DIM = 128
 
