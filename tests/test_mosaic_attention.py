@@ -419,6 +419,7 @@ def test_auto_joins_the_split_kv_forward_where_the_grid_is_short():
         choice = resolve("attention", implementation, device=h100, environ={}).select(short)
         assert choice.kernel == "mosaic"
         assert (choice.config.split_kv_forward is not None) == expected, implementation
+        assert ("its forward from the split-KV Triton kernel" in choice.reason) == expected
 
     # 32 and 64 programs: joined, the Triton forward splitting the keys.
     assert joined(1, 128, 32768).num_splits > 1 and joined(2, 128, 32768).num_splits > 1
@@ -533,7 +534,9 @@ def test_auto_joins_cudnn_backward_for_long_self_attention():
         q, kv = (4, seq, 8, head_dim), (4, seq, kv_heads, head_dim)
         call = AttentionCall.from_args(q, kv, kv, jnp.dtype(jnp.bfloat16), mask, None)
         choice = resolve("attention", implementation, device=h100, environ={}).select(call)
-        return choice.kernel, getattr(choice.config, "cudnn_backward", None)
+        joined = getattr(choice.config, "cudnn_backward", None)
+        assert ("its backward from cuDNN's" in choice.reason) == bool(joined), choice.reason
+        return choice.kernel, joined
 
     assert choice(16384) == ("mosaic", True)
     assert choice(16384, mask=masks.Causal()) == ("mosaic", True)

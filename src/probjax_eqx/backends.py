@@ -256,8 +256,9 @@ class KernelImplementation(Protocol):
     forward mode and higher derivatives). Then list its name in `DEVICE_DEFAULTS`
     and in the op's implementation table. An optional `auto_config(call, device)` is
     the config automatic selection runs, where it may join another backend's kernels
-    (Mosaic attention's split-KV Triton forward); asked for by name, an implementation
-    runs its `default_config`: its own kernels.
+    (Mosaic attention's split-KV Triton forward, cuDNN's backward); asked for by name, an
+    implementation runs its `default_config`: its own kernels. An optional
+    `joined_halves(config)` names such a joined half for the choice's reason ("" if none).
     """
 
     name: str
@@ -353,6 +354,8 @@ class Backend:
                     reason = "requested by name"
                 else:
                     reason = f"first supported in the {entry!r} priority list"
+                if joined := getattr(impl, "joined_halves", lambda _: "")(config):
+                    reason = f"{reason}; {joined}"
                 return Choice(name, config, reason, tuple(rejected))
             if self.pinned:
                 raise UnsupportedError(name, why)

@@ -2016,6 +2016,14 @@ class MosaicAttention:
     def default_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
         return default_config(call, device)
 
+    def joined_halves(self, config: MosaicAttentionConfig) -> str:
+        """The half `config` takes from another kernel family, for `Choice.reason`."""
+        if config.split_kv_forward is not None:
+            return "its forward from the split-KV Triton kernel (split_kv_forward)"
+        if config.cudnn_backward:
+            return "its backward from cuDNN's, given this forward's output (cudnn_backward)"
+        return ""
+
     def auto_config(self, call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
         return auto_config(call, device)
 
