@@ -34,15 +34,18 @@ def _parameters() -> tuple[str, ...]:
     return tuple(inspect.signature(_cudnn._dot_product_attention_bwd_impl).parameters)
 
 
+# The primitive's operands then its parameters, in its implementation's order.
+_NAMES = _parameters()
+
+
 def _backward_unavailable() -> str | None:
     if _cudnn is None:
         return f"jax {jax.__version__} has no cuDNN attention module"
     missing = [name for name in _NEEDED if not hasattr(_cudnn, name)]
     if missing:
         return f"jax {jax.__version__}'s private cuDNN attention lacks {missing}"
-    names = _parameters()
-    unknown = [name for name in names if name not in _GIVEN + _UNUSED + _PARAMS]
-    absent = [name for name in _GIVEN if name not in names]
+    unknown = [name for name in _NAMES if name not in _GIVEN + _UNUSED + _PARAMS]
+    absent = [name for name in _GIVEN if name not in _NAMES]
     if unknown or absent:
         return (
             f"jax {jax.__version__}'s cuDNN backward primitive takes parameters we do not "
@@ -70,8 +73,7 @@ def flash_backward(q, k, v, o, stats, do, *, scale: float, causal: bool):
     params = dict(scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
                   mask_type=mask_type, layout=_cudnn.AttentionLayout.BTNH.value,
                   sliding_window_length=None)  # fmt: skip
-    names = _parameters()
-    operands = [given.get(name, unused) for name in names if name not in _PARAMS]
-    kwargs = {name: params[name] for name in names if name in _PARAMS}
+    operands = [given.get(name, unused) for name in _NAMES if name not in _PARAMS]
+    kwargs = {name: params[name] for name in _NAMES if name in _PARAMS}
     dq, dk, dv = _cudnn._dot_product_attention_bwd_p_wrapper.bind(*operands, **kwargs)
     return dq, dk, dv

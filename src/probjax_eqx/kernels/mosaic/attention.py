@@ -593,11 +593,16 @@ def default_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionCo
     return cfg
 
 
+def _unmasked_or_causal(call: AttentionCall) -> bool:
+    """No score mod, and no mask but causal ones: every row's statistics are cuDNN's."""
+    return call.score_mod is None and all(term[0] == "causal" for term in call.mask_terms)
+
+
 def _cudnn_backward_rule(call: AttentionCall, device: DeviceInfo) -> str | None:
     """Why a `cudnn_backward` config cannot run `call`, or None."""
     if CUDNN_BACKWARD_UNAVAILABLE is not None:
         return f"cudnn_backward: {CUDNN_BACKWARD_UNAVAILABLE}"
-    if call.score_mod is not None or any(term[0] != "causal" for term in call.mask_terms):
+    if not _unmasked_or_causal(call):
         return (
             "cudnn_backward joins cuDNN's backward by the log-sum-exp of an unmasked or "
             "causal call: no other masks or score mods"
@@ -624,8 +629,7 @@ def cudnn_backward_pays(call: AttentionCall) -> bool:
         and call.groups == 1
         and call.qk_dim == call.v_dim == CUDNN_BACKWARD_HEAD_DIM
     )
-    plain = call.score_mod is None and all(term[0] == "causal" for term in call.mask_terms)
-    return timed and plain and CUDNN_BACKWARD_UNAVAILABLE is None
+    return timed and _unmasked_or_causal(call) and CUDNN_BACKWARD_UNAVAILABLE is None
 
 
 def auto_config(call: AttentionCall, device: DeviceInfo) -> MosaicAttentionConfig:
