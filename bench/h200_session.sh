@@ -10,7 +10,8 @@
 # whose `_fed` feeds every Mosaic backward ring (run 163 ran 85, their Mosaic backward
 # tests alone: all 30 passed on 2211914); 79 (now with torch SDPA's flash beside it: the
 # H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
-# date from 20 ms samples); 12's parts that runs 44-47 did not reach.
+# date from 20 ms samples); 88 on an H200 (the join was timed on the H100 alone); 12's
+# parts that runs 44-47 did not reach.
 # Runs 58-63 (H100) ran 21, 22, 14, 1, 24 and the forward half of 13; runs 64-70 ran
 # 25, 26, 27, 23, 28, 11 and 15; run 71 ran 29; runs 74-76 ran 30, 31 and 15; runs 83-85
 # ran 32, 1 and 23; runs 87-90 ran 36 (with dq_rows), 34 (with dq_rows), half of 36
