@@ -317,10 +317,9 @@ def attention_kernel(row: dict, q, k, v, mask) -> None:
         implementation = name.removeprefix("probjax ")
         choice = explain_attention(q, k, v, mask=mask, implementation=implementation)
         kernel = choice.kernel
-        if getattr(choice.config, "split_kv_forward", None) is not None:
-            kernel = f"triton fwd + {kernel} bwd"
-        if getattr(choice.config, "cudnn_backward", False):
-            kernel = f"{kernel} fwd + cudnn bwd"
+        forward, backward = getattr(choice.config, "halves", (kernel, kernel))
+        if (forward, backward) != (kernel, kernel):
+            kernel = f"{forward} fwd + {backward} bwd"
         row["kernel"] = kernel
 
 

@@ -226,6 +226,12 @@ class MosaicAttentionConfig:
     cudnn_backward: bool = False
     interpret: bool = False
 
+    @property
+    def halves(self) -> tuple[str, str]:
+        """The kernel families of the forward half and of the backward half."""
+        forward = "triton" if self.split_kv_forward is not None else "mosaic"
+        return forward, "cudnn" if self.cudnn_backward else "mosaic"
+
     def __post_init__(self):
         for field in ("block_k_dkv", "block_q_dq"):
             if getattr(self, field) not in (_WG_ROWS, 2 * _WG_ROWS):
@@ -2022,9 +2028,10 @@ class MosaicAttention:
 
     def joined_halves(self, config: MosaicAttentionConfig) -> str:
         """The half `config` takes from another kernel family, for `Choice.reason`."""
-        if config.split_kv_forward is not None:
+        forward, backward = config.halves
+        if forward != self.name:
             return "its forward from the split-KV Triton kernel (split_kv_forward)"
-        if config.cudnn_backward:
+        if backward != self.name:
             return "its backward from cuDNN's, given this forward's output (cudnn_backward)"
         return ""
 
