@@ -6,9 +6,10 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 65 and what runs 170-172 left of 1 on the code since 36e65ac (forward
-# mode, higher derivatives, Mosaic softcap, fused dQ under vmap, two of the join's cases;
-# run 163 ran 85, the Mosaic backward tests alone: all 30 passed on 2211914); 79 (now with torch SDPA's flash beside it: the
+# Not yet run: 65 and what runs 170-172 left of 1 (stage 89) on the code since 36e65ac
+# (forward mode, higher derivatives, Mosaic softcap, fused dQ under vmap, two of the
+# join's cases; run 163 ran 85, the Mosaic backward tests alone: all 30 passed on
+# 2211914); 79 (now with torch SDPA's flash beside it: the
 # H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
 # date from 20 ms samples); 88 on an H200 (the join was timed on the H100 alone); 12's
 # parts that runs 44-47 did not reach.
@@ -97,7 +98,10 @@ mha_train_row() {
   suite 100 decode_train --suite decode --set batch=8 heads=32:32 q_len=128 \
     kv_len=8192 ragged=false --only "probjax auto" "jax.nn cudnn" "torch sdpa cudnn"
 }
-case "${1:?stage 1 to 88}" in
+passed_in() {  # passed_in LOG...: a --deselect=ID for each test the logs list as PASSED
+  sed -n 's/^PASSED \([^ ]*\).*/--deselect=\1/p' "$@" | sort -u
+}
+case "${1:?stage 1 to 89}" in
   1 | 23 | 65)
     # The whole GPU test suite in three calls: attention's tests but the Mosaic schedules
     # (1), those (65), and the rest (23). Run 121 reached 92 of attention's 111 tests in
@@ -1008,6 +1012,14 @@ cross_attention_to_mosaic or fa3_backward or fa3_launch_group_1 or fused_dq_unde
     gpu_tests 120 -k "joined_to_cudnn_backward or auto_picks_cudnn_on_sm90"
     suite 150 attention_16384_joined --suite attention --seq 16384 --set head_dim=128 \
       dtype=bfloat16 --only "probjax auto" "probjax mosaic" "jax.nn cudnn" "torch sdpa cudnn"
+    ;;
+  89)
+    # What runs 171-172 left of stage 1 on 3171325's attention code: stage 1's selection
+    # without the 65 tests those runs passed (18 left: forward mode, higher derivatives,
+    # Mosaic softcap, fused dQ under vmap, ...). 300 s. Stale once attention's code changes.
+    mapfile -t passed < <(passed_in bench/results/h100_gpu_tests_run17[12].txt)
+    FILES=tests/test_gpu_attention.py gpu_tests 300 -k "not schedules_and_two_warpgroup" \
+      "${passed[@]}"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
