@@ -6,10 +6,7 @@
 # logs, the GPU tests' included, share one, $OUT/session.log.
 # Merge afterwards: `python -m bench.merge --run N F...`. Since run 152 `time_fn` samples
 # 100 ms, not 20: a step of many timings takes up to 5x its earlier time.
-# Not yet run: 65 and what runs 170-172 left of 1 (stage 89) on the code since 36e65ac
-# (forward mode, higher derivatives, Mosaic softcap, fused dQ under vmap, two of the
-# join's cases; run 163 ran 85, the Mosaic backward tests alone: all 30 passed on
-# 2211914); 79 (now with torch SDPA's flash beside it: the
+# Not yet run: 79 (now with torch SDPA's flash beside it: the
 # H100's flash rows date from 20 ms samples too); 80 and 83 on an H200 (its decode rows
 # date from 20 ms samples); 88 on an H200 (the join was timed on the H100 alone); 12's
 # parts that runs 44-47 did not reach.
@@ -39,7 +36,8 @@
 # at T 16384 causal hd 128 (suite row and backward configs), run 167 84's first sweep; run
 # 168 (H100) 88, run 169 the join's rows at T 32768 and 84; run 170 (H100) 39 of stage 1's 83
 # tests in 290 s (none failed), all this session's device time allowed; runs 171-172 (H100,
-# one machine) 65 of them (none failed), 18 not reached.
+# one machine) 65 of them (none failed), 18 not reached; runs 173-174 (H100, one machine,
+# on 51d8c6c) 89 (those 18) and 65: all passed.
 set -u
 out=${OUT:-.}
 step() {  # step SECONDS NAME COMMAND...: run, append to $OUT/session.log, print timings
