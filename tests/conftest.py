@@ -29,19 +29,15 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run tests that need a GPU")
-    parser.addoption("--slow", action="store_true", help="run slow CPU tests")
 
 
 def pytest_collection_modifyitems(config, items):
-    gpu = config.getoption("--gpu")
-    slow = config.getoption("--slow") or gpu
+    if config.getoption("--gpu"):
+        return
     skip_gpu = pytest.mark.skip(reason="needs --gpu")
-    skip_slow = pytest.mark.skip(reason="slow; run with --slow")
     for item in items:
-        if "gpu" in item.keywords and not gpu:
+        if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        if "slow" in item.keywords and not slow:
-            item.add_marker(skip_slow)
 
 
 class _KeyGen:

@@ -22,15 +22,6 @@ from probjax_eqx.kernels.mosaic.attention import MosaicAttentionConfig, smem_byt
 from probjax_eqx.kernels.triton.attention import TritonAttentionConfig
 
 CFG = MosaicAttentionConfig(block_k=64, interpret=True)
-# Every mask runs on the Triton kernels in CI; the Mosaic interpreter takes about a minute
-# a mask, so CI runs those that reach different code in the kernel (tile skipping from
-# both ends, KV-length skipping, rows without keys, combinators) and the rest with --slow.
-MOSAIC_CI_MASKS = {"none", "causal_bottom_right", "causal_and_kv_lengths", "window",
-                   "segments", "or_not"}  # fmt: skip
-IN_KERNEL = [
-    name if name in MOSAIC_CI_MASKS else pytest.param(name, marks=pytest.mark.slow)
-    for name in sorted(MASKS)
-]
 
 
 def check(q, k, v, ct, mask=None, config=CFG, primal=False):
@@ -38,7 +29,7 @@ def check(q, k, v, ct, mask=None, config=CFG, primal=False):
     return check_against_oracle(f, q, k, v, ct, mask=mask, primal=primal)
 
 
-@pytest.mark.parametrize("name", IN_KERNEL)
+@pytest.mark.parametrize("name", sorted(MASKS))
 def test_masks_fwd_and_grads(getkey, name):
     # The interpreter's time grows with the programs: one KV head (GQA's pair of query
     # heads) for the masks; "none" keeps two KV heads, each read by its own query heads.

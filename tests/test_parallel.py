@@ -53,13 +53,7 @@ def test_ring_attention_batch_and_context_axes(getkey):
     "impl, config, dtype, devices",
     [
         ("triton", TritonAttentionConfig(interpret=True), jnp.float32, 2),
-        pytest.param(
-            "mosaic",
-            MosaicAttentionConfig(interpret=True),
-            jnp.bfloat16,
-            1,
-            marks=pytest.mark.slow,
-        ),  # fmt: skip
+        ("mosaic", MosaicAttentionConfig(interpret=True), jnp.bfloat16, 1),
     ],
 )
 def test_ring_attention_on_our_kernels(getkey, impl, config, dtype, devices):

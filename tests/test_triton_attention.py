@@ -563,17 +563,7 @@ def check_tangent(q, k, v, tangents, mask=None, score_mod=None, config=CFG):
     return tangent
 
 
-# In CI, masks whose tiles the kernel treats differently: none, partly masked tiles,
-# lengths, ids, a combination, rows without keys; the rest with --slow (and on the GPU).
-TANGENT_CI_MASKS = {"none", "causal_bottom_right", "causal_and_kv_lengths", "segments",
-                    "or_not", "q_lengths"}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "name",
-    [n if n in TANGENT_CI_MASKS else pytest.param(n, marks=pytest.mark.slow)
-     for n in sorted(MASKS)],
-)  # fmt: skip
+@pytest.mark.parametrize("name", sorted(MASKS))
 def test_forward_mode_kernel_over_masks(getkey, tangent_kernel_calls, name):
     """`jax.jvp` runs the one-pass tangent kernel, no score matrix, and equals the oracle's
     tangent under every mask (GQA, lengths off the tiles, rows without a valid key)."""
