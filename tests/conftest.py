@@ -1,11 +1,16 @@
 import os
 import zlib
 
-# Eight CPU devices for the sharding tests (read when JAX's backend starts, not on import).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+
+def _add_xla_flags(*flags: str):
+    """Append `flags` to XLA_FLAGS, each unless the user named it (read when JAX's backend
+    starts, not on import)."""
+    given = os.environ.get("XLA_FLAGS", "")
+    new = [f for f in flags if f.split("=")[0] not in given]
+    os.environ["XLA_FLAGS"] = " ".join([given, *new]).strip()
+
+
+_add_xla_flags("--xla_force_host_platform_device_count=8")  # for the sharding tests
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -20,11 +25,8 @@ _FAST_CPU_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optim
 
 
 def pytest_configure(config):
-    if config.getoption("--gpu"):
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    new = [f for f in _FAST_CPU_COMPILE if f.split("=")[0] not in flags]
-    os.environ["XLA_FLAGS"] = " ".join([flags, *new]).strip()
+    if not config.getoption("--gpu"):
+        _add_xla_flags(*_FAST_CPU_COMPILE)
 
 
 def pytest_addoption(parser):
